@@ -1,0 +1,37 @@
+"""``python -m experiments <command> [args]`` — dispatch to one experiment module.
+
+The registry is the single place that maps a command name to the module that implements it, so the CLI,
+the README and the tests agree on names."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("experiments.bench", "singularity benchmark: baseline vs nonans vs compare (issue 5)"),
+    "step-time": ("experiments.step_time", "optimizer step time side by side with peers (issue 2)"),
+    "overhead": ("experiments.overhead", "resolution 'repair' vs 'off' on clean steps (issue 3)"),
+    "kernels": ("experiments.kernels", "Triton NS5 / fused kernels on a GPU (issue 4)"),
+    "ablation": ("experiments.ablation", "case-study ablation on two offline tasks (issue 6)"),
+    "questions": ("experiments.questions", "FusionOpt's open questions, one experiment each (issue 6)"),
+    "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m experiments <command> [args]\n\ncommands:")
+        for name, (_, doc) in COMMANDS.items():
+            print(f"  {name:<10} {doc}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

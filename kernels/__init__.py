@@ -1,0 +1,1 @@
+"""Triton kernels for nonans_optim (installed as nonans_optim.kernels)."""

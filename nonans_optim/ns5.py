@@ -1,0 +1,212 @@
+"""Newton-Schulz orthogonalisation (NS5): the one entry point of the library.
+
+``ns5(G)`` returns an approximation of the polar factor ``U Vᵀ`` of ``G = U S Vᵀ`` by running the quintic
+iteration of Keller Jordan's Muon (``KellerJordan/Muon`` muon.py, ``zeropower_via_newtonschulz5``):
+
+    A = X Xᵀ;  X ← a X + (b A + c A²) X,   (a, b, c) = (3.4445, -4.7750, 2.0315)
+
+Why the numerics look the way they do (ALGORITHMS.md §1, PRIOR_ART.md "fp16 and NS5"):
+
+* Once ``‖X‖₂ ≤ 1`` nothing inside the quintic can overflow even fp16: every intermediate stays ≈ ≤ 3.2.
+  What does fail in low precision is the *normalisation*: casting an un-normalised gradient (entries
+  > 65504 become Inf in fp16), or taking its Frobenius norm in a narrow type (the norm overflows to Inf,
+  the division gives an all-zero update — silent), or an ``eps`` floor that swamps tiny inputs.
+* So we normalise in fp32 first: divide by an exact power of two taken from the max-abs entry (exact, so
+  it cannot change the direction and keeps ``‖G‖_F²`` inside fp32's range for any finite input), then by
+  the Frobenius norm, and only then cast to the hot dtype. The output is invariant to the input's scale
+  (bit-exact for power-of-two scales) and a zero input gives a zero output.
+* Work happens on the short side: a tall matrix is transposed so that ``X Xᵀ`` is ``min(m, n)`` square.
+
+Leading dimensions are a batch: same-shape matrices are stacked and run through one batched matmul
+chain, which is how the optimizers call it (one NS5 per shape bucket, not per parameter).
+
+Backends: ``"torch"`` (this file, the reference and the test oracle of every kernel), ``"triton"``
+(``nonans_optim.kernels``, CUDA only), ``"auto"`` (Triton on CUDA when the kernels are importable, torch
+otherwise). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import torch
+from einops import rearrange
+
+__all__ = ["ns5", "hot_dtype", "normalise", "iterate_reference", "KELLER_COEFFICIENTS"]
+
+KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+# The Frobenius norm of a matrix whose max-abs entry is in [0.5, 1) is at least 0.5, so this eps only
+# matters for an all-zero input (0 / eps = 0); it never floors a tiny-but-real input (that was the
+# 1e-7 hazard in the reference implementations).
+_EPS = 1e-30
+
+# fp16_safe rescale: X' = s·X with b' = b/s², c' = c/s⁴ leaves the iteration unchanged in exact
+# arithmetic. With ‖X‖₂ ≤ 1, |(A')²| ≤ 2.1·s⁴, so s = 8 keeps c'·(A')² far below 65504 while lifting
+# the smallest entries of X three binary orders away from fp16's subnormal floor.
+_FP16_SAFE_SCALE = 8.0
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_native_bf16() -> bool:
+    """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16).
+
+    Measured on the CI machines: bf16 matmul ≈ 2.1x fp32 there, fp16 ≈ 50x *slower* than fp32, so fp16 is
+    never the CPU default."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return ("avx512_bf16" in flags) or ("amx_bf16" in flags)
+
+
+def hot_dtype(device: torch.device | str, requested: str | torch.dtype | None = "auto") -> torch.dtype:
+    """Resolve the NS5 compute dtype. ``"auto"``: bf16 on CUDA; on CPU bf16 only with native bf16 matmul,
+    else fp32. ``"fp16_safe"`` resolves to fp16 (the rescale is applied by :func:`ns5`)."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested is None or requested == "auto":
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            return torch.bfloat16
+        if dev.type == "cpu" and _cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+             "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "fp16_safe": torch.float16}
+    if requested not in table:
+        raise ValueError(f"hot dtype {requested!r} is not one of 'auto', {sorted(table)}")
+    return table[requested]
+
+
+def normalise(G: torch.Tensor) -> torch.Tensor:
+    """fp32 copy of ``G`` scaled to unit Frobenius norm per matrix (last two dims); zero stays zero.
+
+    Step 1 divides by 2**e with max|G| = f·2**e, f ∈ [0.5, 1) — exact in binary floating point, so a
+    1e30-scaled input and a 1e-30-scaled input land on the same bits. Step 2 divides by the norm, which is
+    now ≥ 0.5 for any non-zero matrix and cannot overflow (≤ sqrt(numel))."""
+    G32 = G.float()
+    amax = G32.abs().amax(dim=(-2, -1), keepdim=True)
+    _, exponent = torch.frexp(amax)
+    X = torch.ldexp(G32, -exponent)
+    norm = torch.linalg.matrix_norm(X, keepdim=True)
+    return X / (norm + _EPS)
+
+
+def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """The NS iteration on a normalised, wide (m ≤ n) batch ``X`` of shape (B, m, n), in X's dtype.
+
+    This is the torch reference and the oracle every kernel in ``nonans_optim.kernels`` is tested against;
+    kernels implement the same signature."""
+    for a, b, c in coefficients:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a·X + B·X
+    return X
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("NONANS_NS5_BACKEND", "auto")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"NONANS_NS5_BACKEND must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_ns5() is not None else "torch"
+    if backend == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for the interpreter)")
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ns5():
+    try:
+        from nonans_optim.kernels.ns5 import ns5_iterate  # type: ignore[import-not-found]
+    except Exception:  # triton missing or too old: the torch path is always there
+        return None
+    return ns5_iterate
+
+
+def ns5(
+    G: torch.Tensor,
+    steps: int = 5,
+    *,
+    dtype: str | torch.dtype | None = None,
+    coefficients: Sequence[tuple[float, float, float]] | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Orthogonalise ``G`` (shape (..., m, n)) by ``steps`` Newton-Schulz quintic iterations.
+
+    Args:
+        G: one matrix or a batch of same-shape matrices; any floating dtype; tall or wide.
+        steps: number of iterations (ignored when ``coefficients`` is given).
+        dtype: hot dtype of the iteration: ``None``/``"auto"`` (see :func:`hot_dtype`), ``"bf16"``,
+            ``"fp32"``, ``"fp16"`` or ``"fp16_safe"`` (fp16 with a power-of-two rescale that keeps entries
+            away from the subnormal floor), or a ``torch.dtype``.
+        coefficients: per-step (a, b, c); default Keller's coefficients repeated ``steps`` times.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        A tensor of ``G``'s shape and dtype. Finite for every finite input; exactly zero for a zero input.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"ns5 needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
+    if not G.is_floating_point():
+        raise ValueError(f"ns5 needs a floating-point tensor, got {G.dtype}")
+    if coefficients is None:
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        coefficients = [KELLER_COEFFICIENTS] * steps
+    requested = "auto" if dtype is None else dtype
+    hot = hot_dtype(G.device, requested)
+    backend = _resolve_backend(backend, G.device)
+
+    batch_shape = G.shape[:-2]
+    X = rearrange(normalise(G), "... m n -> (...) m n")
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X.contiguous()
+    if requested == "fp16_safe":
+        s = _FP16_SAFE_SCALE
+        coefficients = [(a, b / s**2, c / s**4) for a, b, c in coefficients]
+        X = X * s
+    X = X.to(hot)
+    if backend == "triton":
+        fn = _triton_ns5()
+        if fn is None:
+            raise RuntimeError("backend='triton' requested but nonans_optim.kernels could not be imported")
+        X = fn(X, list(coefficients))
+    else:
+        X = iterate_reference(X, coefficients)
+    X = X.float()
+    if requested == "fp16_safe":
+        X = X / _FP16_SAFE_SCALE
+    if tall:
+        X = X.mT
+    return X.reshape(*batch_shape, *X.shape[-2:]).to(G.dtype)
+
+
+def ns5_naive(G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype = torch.float16,
+              eps: float = 1e-7) -> torch.Tensor:
+    """The common implementation, kept as a *foil* for tests and experiments — do not use it to train.
+
+    Casts first, then takes the norm in the hot dtype, with a 1e-7 floor (as Keller's Muon and FusionOpt
+    do). In fp16 this overflows to Inf for ‖G‖_F > 65504 (a silent all-zero or NaN update) and underflows
+    for tiny inputs; :func:`ns5` exists because of it."""
+    X = G.to(dtype)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    a, b, c = KELLER_COEFFICIENTS
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
