@@ -1,0 +1,246 @@
+"""The shared Optimizer shell: validation, lazy state, the global step, train()/eval(), set_loss(),
+metrics(), events and the resolution bookkeeping. No algorithm math lives here (see ``functional/`` and
+``optimizers/_paths.py``).
+
+Optimizer-level state lives under the non-parameter key ``"nonans"`` of ``self.state`` so that torch's own
+``state_dict()`` / ``load_state_dict()`` carry it (they pass non-tensor keys through unchanged): the global
+step, the Polyak EMAs and the resolution counters all survive a checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from .functional.polyak import init_polyak
+from .resolution import Resolution, SingularityEvent, check_policy
+
+__all__ = ["NonansOptimizer"]
+
+
+def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
+                 high_open: bool = False) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = float(value)  # construction time only, never inside step()
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")
+    if value < low or value > high or (high_open and value >= high):
+        bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        raise ValueError(f"Invalid {name}: {value!r} (must be in {bound})")
+
+
+def check_betas(name: str, betas: Iterable[float]) -> None:
+    for i, b in enumerate(betas):
+        _check_float(f"{name}[{i}]", b, high=1.0, high_open=True)
+
+
+class NonansOptimizer(Optimizer):
+    """Base of every nonans_optim optimizer. Subclasses implement ``_step_group(group, ctx)``."""
+
+    #: True when any parameter takes a schedule-free path (then train()/eval() swap y ↔ x).
+    _schedule_free: bool = False
+    _uses_polyak: bool = False
+
+    def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str):
+        _check_float("lr", defaults["lr"])
+        _check_float("weight_decay", defaults.get("weight_decay", 0.0))
+        if "eps" in defaults:
+            _check_float("eps", defaults["eps"])
+        check_policy(resolution)
+        if impl not in ("loop", "foreach"):
+            raise ValueError(f"impl must be 'loop' or 'foreach', got {impl!r}")
+        self.resolution_policy, self.impl = resolution, impl
+        super().__init__(params, defaults)
+        seen: set[int] = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("params contains duplicate parameters (a tensor appears twice)")
+                seen.add(id(p))
+                if p.is_complex():
+                    raise ValueError(f"complex parameters are not supported (got {p.dtype}); "
+                                     "view them as real with torch.view_as_real")
+        self._pending_loss: torch.Tensor | None = None
+        self._loss_ever_given = False
+        self._training = True
+        self._resolution: Resolution | None = None
+
+    # ------------------------------------------------------------------ param bookkeeping
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _param_names(self) -> list[str | int]:
+        names: list[str | int] = []
+        for group in self.param_groups:
+            gn = group.get("param_names")
+            names.extend(gn if gn is not None else [None] * len(group["params"]))
+        return [n if n is not None else i for i, n in enumerate(names)]
+
+    def _global(self) -> dict[str, Any]:
+        """Optimizer-level state, created lazily on the parameters' device."""
+        st = self.state.get("nonans")
+        if st is None:
+            device = self._all_params()[0].device
+            st = {"step": 0, "polyak": init_polyak(device)}
+            self.state["nonans"] = st
+        return st
+
+    def _get_resolution(self) -> Resolution:
+        P = len(self._all_params())
+        st = self._global()
+        if self._resolution is None or self._resolution.num_params != P:
+            res = Resolution(self.resolution_policy, P, self._all_params()[0].device)
+            saved = st.get("resolution")
+            if saved is not None and saved["scale"].shape[0] == P:
+                res.load_state_dict(saved)
+            self._resolution = res
+        st["resolution"] = self._resolution.tensors
+        return self._resolution
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._resolution = None  # resized (counters of existing params restart) on the next step
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._resolution = None
+        st = self.state.get("nonans")
+        if st is not None:  # move optimizer-level tensors to the parameters' device
+            device = self._all_params()[0].device
+            st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
+            if "resolution" in st:
+                st["resolution"] = {k: v.to(device) for k, v in st["resolution"].items()}
+
+    # ------------------------------------------------------------------ user-facing API
+    def set_loss(self, loss: torch.Tensor | float) -> None:
+        """Give this step's loss (the Polyak input). Harmless for optimizers without a Polyak step.
+
+        Keeps the tensor on its device — no sync; a NaN/Inf loss is handled inside step()."""
+        if isinstance(loss, (int, float)):
+            loss = torch.tensor(float(loss))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("set_loss expects a scalar loss (a number or a one-element tensor)")
+        self._pending_loss = loss.detach()
+        self._loss_ever_given = True
+
+    def train(self, mode: bool = True) -> "NonansOptimizer":
+        """Schedule-free swap: parameters go back to y (where gradients are taken). No-op otherwise."""
+        if not mode:
+            return self.eval()
+        if not self._training:
+            self._swap(to_train=True)
+        self._training = True
+        return self
+
+    def eval(self) -> "NonansOptimizer":
+        """Schedule-free swap: parameters hold the averaged x (evaluate and checkpoint here)."""
+        if self._training:
+            self._swap(to_train=False)
+        self._training = False
+        return self
+
+    def _swap(self, *, to_train: bool) -> None:  # overridden by schedule-free optimizers
+        return None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._training:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() called in eval mode: the parameters hold the schedule-free "
+                "average x, not y. Call optimizer.train() before training steps (and optimizer.eval() "
+                "before evaluation or checkpointing).")
+        for group in self.param_groups:  # validate before any state changes
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if not self._all_params():
+            return loss
+        if loss is not None and self._pending_loss is None and isinstance(loss, torch.Tensor):
+            self.set_loss(loss)
+        st = self._global()
+        st["step"] += 1
+        res = self._get_resolution() if self.resolution_policy != "off" else None
+        ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
+               "index": 0}
+        self._pending_loss = None
+        self._before_groups(ctx)
+        for group in self.param_groups:
+            self._step_group(group, ctx)
+            ctx["index"] += len(group["params"])
+        if res is not None:
+            res.record_step(st["step"], self._assemble_counts(ctx["counts"], res.num_params))
+        return loss
+
+    def _before_groups(self, ctx: dict[str, Any]) -> None:
+        """Optimizer-wide quantities computed once per step (subclasses add the Polyak multiplier)."""
+        device = self._all_params()[0].device
+        ctx["unit_scale"] = torch.ones((), dtype=torch.float32, device=device)
+        ctx["gamma_mult"] = None
+
+    def _schedule(self, group: dict[str, Any], ctx: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        """(γ as a 0-d device tensor, schedule-free weight c) for this group and step.
+
+        lr_t = lr · min(1, t / warmup_steps) is host arithmetic on the scheduled lr; the Polyak multiplier
+        (when active) is a device tensor, so γ never needs a sync. c follows SF-NorMuon: η_t² / Σ η_k²."""
+        t = ctx["step"]
+        warm = group.get("warmup_steps", 0)
+        lr_t = float(group["lr"]) * (min(1.0, t / warm) if warm > 0 else 1.0)
+        c = 0.0
+        if "sf_weight_sum" in group:
+            weight_sum = group["sf_weight_sum"] + lr_t ** 2
+            c = lr_t ** 2 / weight_sum if weight_sum > 0 else 0.0
+            group["sf_weight_sum"] = weight_sum
+        gamma = torch.full((), lr_t, dtype=torch.float32, device=ctx["unit_scale"].device)
+        if ctx["gamma_mult"] is not None:
+            gamma = gamma * ctx["gamma_mult"]
+        return gamma, c
+
+    def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _assemble_counts(counts: dict[tuple[int, int], torch.Tensor], P: int) -> torch.Tensor:
+        """(P, S, 2) int64 from the sparse {(param, stage): [nan, inf]} of this step, in one stack."""
+        from .resolution import STAGES
+        S = len(STAGES)
+        some = next(iter(counts.values()), None)
+        if some is None:
+            return torch.zeros(P, S, 2, dtype=torch.int64)
+        zero = torch.zeros(2, dtype=torch.int64, device=some.device)
+        flat = [counts.get((p, s), zero) for p in range(P) for s in range(S)]
+        return torch.stack(flat).view(P, S, 2)
+
+    # ------------------------------------------------------------------ telemetry
+    @property
+    def events(self) -> list[SingularityEvent]:
+        """Resolved singularities of the last steps that had any (materialised now: this syncs)."""
+        if self.resolution_policy == "off" or self.state.get("nonans") is None:
+            return []
+        res = self._get_resolution()
+        return res.materialise(self._param_names(), [p.numel() for p in self._all_params()])
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for logging (the only method that synchronises with the device)."""
+        st = self.state.get("nonans")
+        out: dict[str, float] = {"optim/step": float(st["step"] if st else 0)}
+        if self._uses_polyak:
+            pol = st["polyak"] if st else None
+            out["fusion/loss_ema"] = float(pol["loss_ema"]) if pol is not None else 0.0
+            out["fusion/gnorm_ema"] = float(pol["gnorm_ema"]) if pol is not None else 0.0
+            mult = float(pol["gamma_mult"]) if pol is not None else 1.0
+            out["fusion/gamma_mult"] = mult
+            out["fusion/gamma_curr"] = mult * float(self.param_groups[0]["lr"])
+        if self.resolution_policy != "off":
+            if st is not None:
+                out.update(self._get_resolution().summary())
+            else:
+                out["resolution/events_total"] = 0.0
+        return out

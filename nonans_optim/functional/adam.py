@@ -1,0 +1,86 @@
+"""Adam moments and the AdamW / schedule-free AdamW directions, with the resolution gate built in.
+
+Per tensor (Kingma & Ba 2015, Alg. 1; decoupled decay: Loshchilov & Hutter 2019):
+
+    m ← β₁ m + (1-β₁) g            v ← β₂ v + (1-β₂) g²
+    d = (m / (1-β₁ᵗ)) / (sqrt(v / (1-β₂ᵗ)) + ε)
+
+Resolution ("repair"): a non-finite g entry is a missing observation. We substitute g := m at that entry
+before the lerp, which leaves m *exactly* unchanged (lerp(m, m, w) = m in IEEE arithmetic) and keeps the
+Nesterov/direction input finite; v is selected with ``where`` on the finiteness of the new value, which
+also catches g² overflowing fp32 with a finite g. On clean entries both gates select the stock value, so a
+clean step is bit-identical to ``"off"``.
+
+Two implementations of the same math: ``*_loop`` (one tensor at a time — the readable ground truth) and
+``*_foreach`` (``torch._foreach_*`` over the list). Tests check they agree.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..resolution import count_nonfinite
+
+__all__ = ["adam_moments_loop", "adam_moments_foreach", "adam_direction", "gated_grad"]
+
+
+def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g with non-finite entries replaced by ``fallback``, int64 [nan, inf] counts of g)."""
+    return torch.where(torch.isfinite(g), g, fallback), count_nonfinite(g)
+
+
+def _moments_one(g, m, v, beta1, beta2, repair):
+    """Update m, v in place for one tensor; returns [nan, inf] counts of g and of the v overflow."""
+    if repair:
+        g_in, g_counts = gated_grad(g, m)
+        m.lerp_(g_in, 1 - beta1)
+        v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
+        v_ok = torch.isfinite(v_new)
+        moment_counts = torch.stack((torch.zeros_like(g_counts[0]),
+                                     (~v_ok).sum() - g_counts.sum()))
+        v.copy_(torch.where(v_ok, v_new, v))
+        return g_counts, moment_counts
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return None, None
+
+
+def adam_moments_loop(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: float, repair: bool):
+    """Loop form. Returns (list of grad-stage counts, list of moment-stage counts) or (None, None)."""
+    gc, mc = [], []
+    for g, m, v in zip(grads, exp_avgs, exp_avg_sqs):
+        a, b = _moments_one(g, m, v, beta1, beta2, repair)
+        gc.append(a)
+        mc.append(b)
+    return (gc, mc) if repair else (None, None)
+
+
+def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: float, repair: bool):
+    """foreach form of :func:`adam_moments_loop` (same results, fewer kernel launches)."""
+    if not repair:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        return None, None
+    gated = [gated_grad(g, m) for g, m in zip(grads, exp_avgs)]
+    g_in = [x[0] for x in gated]
+    g_counts = [x[1] for x in gated]
+    torch._foreach_lerp_(exp_avgs, g_in, 1 - beta1)
+    v_new = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(v_new, grads, grads, value=1 - beta2)
+    moment_counts = []
+    for v, vn, gcnt in zip(exp_avg_sqs, v_new, g_counts):
+        ok = torch.isfinite(vn)
+        moment_counts.append(torch.stack((torch.zeros_like(gcnt[0]), (~ok).sum() - gcnt.sum())))
+        v.copy_(torch.where(ok, vn, v))
+    return g_counts, moment_counts
+
+
+def adam_direction(m: torch.Tensor, v: torch.Tensor, step: int, beta1: float, beta2: float, eps: float,
+                   *, first_moment: bool = True) -> torch.Tensor:
+    """Bias-corrected Adam direction. ``first_moment=False`` gives the schedule-free form g/(sqrt(v̂)+ε),
+    where ``m`` is then the (gated) raw gradient."""
+    bc2 = 1 - beta2 ** step
+    denom = (v / bc2).sqrt_().add_(eps)
+    if first_moment:
+        return (m / (1 - beta1 ** step)).div_(denom)
+    return m / denom

@@ -1,0 +1,103 @@
+"""The scalar path: AdamW or schedule-free AdamW on a list of tensors, with resolution.
+
+Used by :class:`~nonans_optim.AdamW`, :class:`~nonans_optim.SFAdamW` and by :class:`~nonans_optim.Fusion`
+for biases, norms, embeddings and heads. State keys follow torch: ``step``, ``exp_avg``, ``exp_avg_sq``;
+schedule-free adds ``z`` (the parameter holds y).
+
+Policies (see :mod:`nonans_optim.resolution`):
+* ``repair`` — per-entry gating inside the moment updates, then a last ``keep_finite`` guard on the new
+  parameter (and z); on a clean step every gate selects the stock value;
+* ``skip`` — the same computation, then the whole tensor's parameter and state are restored when its
+  gradient had any non-finite entry (GradScaler semantics per tensor);
+* ``off`` — stock arithmetic, no detection.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop
+from ..functional.schedule_free import sf_update_
+from ..resolution import STAGE_INDEX, count_nonfinite
+
+__all__ = ["scalar_init_state", "scalar_update"]
+
+
+def scalar_init_state(p: torch.Tensor, *, sf: bool) -> dict[str, torch.Tensor]:
+    st = {"step": torch.tensor(0.0),
+          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if sf:
+        st["z"] = p.detach().clone(memory_format=torch.preserve_format)
+    else:
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st
+
+
+def _record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
+    if counts is not None:
+        key = (index, STAGE_INDEX[stage])
+        prev = ctx["counts"].get(key)
+        ctx["counts"][key] = counts if prev is None else prev + counts
+
+
+def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                  indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
+                  gamma: torch.Tensor, c: float, impl: str) -> None:
+    """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak)."""
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    repair = policy != "off"
+    beta1, beta2 = group["betas"]
+    eps, wd = group["eps"], group["weight_decay"]
+    for st in states:
+        st["step"] += 1
+    steps = [int(st["step"]) for st in states]  # CPU tensors: no device sync
+    snapshot = None
+    if policy == "skip":
+        snapshot = [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"})
+                    for p, st in zip(params, states)]
+    v_list = [st["exp_avg_sq"] for st in states]
+    moments = adam_moments_loop if impl == "loop" else adam_moments_foreach
+    n = len(grads)
+    if sf:
+        # No first moment (β₁ is the interpolation weight): the gradient is the direction input, and a
+        # missing entry moves nothing (its gated value is 0) while v keeps its previous value there.
+        g_counts = [count_nonfinite(g) for g in grads] if repair else [None] * n
+        g_in = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in grads] if repair else grads
+        m_list = [g.clone() for g in g_in]
+        _, m_counts = moments(g_in, m_list, v_list, beta1=0.0, beta2=beta2, repair=repair)
+    else:
+        m_list = [st["exp_avg"] for st in states]
+        g_counts, m_counts = moments(grads, m_list, v_list, beta1=beta1, beta2=beta2, repair=repair)
+    if not repair:
+        g_counts = m_counts = [None] * n
+    res = ctx["resolution"]
+    for i, (p, g, st, step) in enumerate(zip(params, grads, states, steps)):
+        idx = indices[i]
+        # The same tensor arithmetic under every policy, so a clean "repair" step is bit-identical to
+        # "off" (the escalation scale is exactly 1.0 until an event).
+        lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
+        d = adam_direction(m_list[i], v_list[i], step, beta1, beta2, eps, first_moment=not sf)
+        if sf:
+            y_new, z_new = sf_update_(p, st["z"], d, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
+        else:
+            y_new = p * (1 - lr_i * wd) - lr_i * d
+            z_new = None
+        if repair:
+            upd_counts = count_nonfinite(y_new)
+            y_new = torch.where(torch.isfinite(y_new), y_new, p)
+            if z_new is not None:
+                upd_counts = upd_counts + count_nonfinite(z_new)
+                z_new = torch.where(torch.isfinite(z_new), z_new, st["z"])
+            _record(ctx, idx, "grad", g_counts[i])
+            _record(ctx, idx, "moment", m_counts[i])
+            _record(ctx, idx, "update", upd_counts)
+        p.copy_(y_new)
+        if z_new is not None:
+            st["z"].copy_(z_new)
+        if snapshot is not None:
+            ok = torch.isfinite(g).all()
+            p_old, st_old = snapshot[i]
+            p.copy_(torch.where(ok, p, p_old))
+            for k, old in st_old.items():
+                st[k].copy_(torch.where(ok, st[k], old))

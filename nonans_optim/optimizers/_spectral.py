@@ -1,0 +1,149 @@
+"""The spectral path: (MONA →) momentum (→ KL-Shampoo) (→ NS5) (→ NorMuon) (→ Schedule-Free) on matrices.
+
+Every stage is optional (the ``components`` of :class:`~nonans_optim.Fusion`). The direction is always
+RMS-matched to 0.2 (Moonlight), so one ``lr`` / ``weight_decay`` serves this path and the scalar AdamW path.
+
+Two implementations: ``loop`` runs NS5 and NorMuon one matrix at a time (ground truth); ``foreach`` stacks
+same-shape matrices into one batched NS5 and one batched NorMuon (transformers have many equal shapes).
+
+Resolution inside the path (beyond the gradient gate in :mod:`~nonans_optim.functional.momentum`):
+
+* KL-Shampoo factors see a gradient only when it is entirely finite (a factor mixes every entry, so a
+  partial observation would bias it); a non-finite preconditioned result bypasses the preconditioner;
+* a non-finite NS5/NorMuon result for a matrix (impossible for finite input with :func:`ns5`'s fp32
+  normalisation, but counted anyway) falls back to the RMS-matched momentum — a momentum-SGD step;
+* the new parameter / z is kept only where finite.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..functional.momentum import momentum_, mona_
+from ..functional.normuon import normuon, rms_match
+from ..functional.schedule_free import sf_update_
+from ..ns5 import ns5
+from ..resolution import count_nonfinite
+from ..routing import matrix_shape
+from ._scalar import _record
+
+__all__ = ["spectral_init_state", "spectral_update"]
+
+
+def spectral_init_state(p: torch.Tensor, comps: frozenset[str]) -> dict[str, torch.Tensor]:
+    m, n = matrix_shape(p)
+    st: dict[str, torch.Tensor] = {"step": torch.tensor(0.0),
+                                   "momentum_buffer": torch.zeros_like(p, memory_format=torch.contiguous_format)}
+    if "mona" in comps:
+        st["mona_prev_grad"] = torch.zeros_like(st["momentum_buffer"])
+        st["mona_diff_avg"] = torch.zeros_like(st["momentum_buffer"])
+    if "normuon" in comps:
+        st["normuon_row_sq"] = torch.zeros(m, dtype=torch.float32, device=p.device)
+    if "sf" in comps:
+        st["z"] = p.detach().clone(memory_format=torch.contiguous_format)
+    if "shampoo" in comps:
+        from ..functional.kl_shampoo import kl_shampoo_init_state
+        st.update(kl_shampoo_init_state((m, n), p.device))
+    return st
+
+
+def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: list, group: dict,
+                comps: frozenset[str], batched: bool) -> tuple[list[torch.Tensor], list]:
+    """NS5 (+ NorMuon) on a list of same-shape fp32 matrices: one batched call or a loop."""
+    def one(M, v, row_ok):
+        O = ns5(M, group["ns_steps"], dtype=group["ns5_dtype"]).float() if "ns5" in comps else M.float()
+        if "normuon" in comps:
+            return normuon(O, v, row_ok, beta2=group["normuon_beta2"], eps=group["normuon_eps"])
+        return rms_match(O), None
+
+    if not batched or len(Ms) == 1:
+        out = [one(M, v, r) for M, v, r in zip(Ms, vs, row_oks)]
+        return [o[0] for o in out], [o[1] for o in out]
+    M = torch.stack(Ms)
+    v = torch.stack(vs) if vs[0] is not None else None
+    r = torch.stack(row_oks) if row_oks[0] is not None else None
+    U, v_new = one(M, v, r)
+    return list(U.unbind(0)), (list(v_new.unbind(0)) if v_new is not None else [None] * len(Ms))
+
+
+def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                    indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
+                    comps: frozenset[str], gamma: torch.Tensor, c: float, impl: str) -> None:
+    res = ctx["resolution"]
+    repair = res is not None
+    for st in states:
+        st["step"] += 1
+    snapshot = None
+    if repair and res.policy == "skip":
+        snapshot = [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"})
+                    for p, st in zip(params, states)]
+    Ms, vs, row_oks, tensor_oks = [], [], [], []
+    for p, g, st, idx in zip(params, grads, states, indices):
+        shape = matrix_shape(p)
+        G = g.reshape(shape)
+        ok = torch.isfinite(G) if repair else None
+        tensor_ok = ok.all() if repair else None
+        if repair:
+            _record(ctx, idx, "grad", count_nonfinite(G))
+        if "mona" in comps:
+            G = mona_(G, st["mona_prev_grad"].view(shape), st["mona_diff_avg"].view(shape), ok,
+                      alpha=group["mona_alpha"], beta=group["mona_beta"], first=int(st["step"]) == 1)
+        M = momentum_(G, st["momentum_buffer"].view(shape), ok, mu=group["momentum"],
+                      nesterov=group["nesterov"])
+        if "shampoo" in comps:
+            from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
+            t_ok = tensor_ok if repair else torch.ones((), dtype=torch.bool, device=G.device)
+            internal_bad = kl_shampoo_update_(st, g.reshape(shape), t_ok, int(st["step"]),
+                                              beta=group["shampoo_beta"],
+                                              refresh_every=group["shampoo_refresh_every"])
+            M, bypassed = kl_shampoo_precondition(st, M)
+            if repair:
+                flag = (internal_bad | bypassed).to(torch.int64)
+                _record(ctx, idx, "direction", torch.stack((torch.zeros_like(flag), flag)))
+        Ms.append(M.float())
+        vs.append(st.get("normuon_row_sq"))
+        row_oks.append(ok.all(dim=-1) if (repair and "normuon" in comps) else None)
+        tensor_oks.append(tensor_ok)
+
+    # Bucket by shape: one batched NS5 per bucket (foreach) or one per matrix (loop).
+    buckets: dict[tuple, list[int]] = {}
+    for i, M in enumerate(Ms):
+        buckets.setdefault(tuple(M.shape), []).append(i)
+    Us: list[torch.Tensor | None] = [None] * len(Ms)
+    for members in buckets.values():
+        U_b, v_b = _directions([Ms[i] for i in members], [vs[i] for i in members],
+                               [row_oks[i] for i in members], group, comps, batched=impl == "foreach")
+        for i, U, v_new in zip(members, U_b, v_b):
+            Us[i] = U
+            if v_new is not None:
+                states[i]["normuon_row_sq"].copy_(v_new)
+
+    wd = group["weight_decay"]
+    for i, (p, st, idx) in enumerate(zip(params, states, indices)):
+        U = Us[i]
+        if repair:
+            U_ok = torch.isfinite(U).all()
+            _record(ctx, idx, "direction", count_nonfinite(U))
+            U = torch.where(U_ok, U, rms_match(Ms[i]))
+        U = U.view_as(p).to(p.dtype)
+        lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
+        if "sf" in comps:
+            y_new, z_new = sf_update_(p, st["z"], U, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
+        else:
+            y_new, z_new = p * (1 - lr_i * wd) - lr_i * U, None
+        if repair:
+            upd = count_nonfinite(y_new)
+            y_new = torch.where(torch.isfinite(y_new), y_new, p)
+            if z_new is not None:
+                upd = upd + count_nonfinite(z_new)
+                z_new = torch.where(torch.isfinite(z_new), z_new, st["z"])
+            _record(ctx, idx, "update", upd)
+        p.copy_(y_new)
+        if z_new is not None:
+            st["z"].copy_(z_new)
+        if snapshot is not None:
+            p_old, st_old = snapshot[i]
+            p.copy_(torch.where(tensor_oks[i], p, p_old))
+            for k, old in st_old.items():
+                st[k].copy_(torch.where(tensor_oks[i], st[k], old))

@@ -1,0 +1,85 @@
+"""AdamW and schedule-free AdamW with the resolution step.
+
+``AdamW`` matches ``torch.optim.AdamW`` (decoupled decay, bias correction) on clean steps; ``SFAdamW`` is the
+memory-efficient schedule-free AdamW (Defazio et al. 2024) with weight decay at z (the library's choice for
+every schedule-free path; ``facebookresearch/schedule_free`` decays at y by default).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._base import NonansOptimizer, check_betas
+from ..functional.schedule_free import to_x_, to_y_
+from ._scalar import scalar_init_state, scalar_update
+
+__all__ = ["AdamW", "SFAdamW"]
+
+
+class _ScalarOnly(NonansOptimizer):
+    _sf = False
+
+    def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
+        params, grads, states, indices = [], [], [], []
+        for j, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            if not st:
+                st.update(scalar_init_state(p, sf=self._sf))
+            params.append(p)
+            grads.append(p.grad)
+            states.append(st)
+            indices.append(ctx["index"] + j)
+        if not params:
+            return
+        gamma, c = self._schedule(group, ctx)
+        scalar_update(params, grads, states, indices, group, ctx, sf=self._sf, gamma=gamma, c=c,
+                      impl=self.impl)
+
+
+class AdamW(_ScalarOnly):
+    """AdamW (Loshchilov & Hutter 2019) that repairs NaN/Inf gradients inside ``step()``.
+
+    Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
+    ``impl`` is ``"foreach"`` (default) or ``"loop"`` (the readable ground truth); ``warmup_steps`` ramps
+    the lr linearly over the first steps (0: off)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
+                 resolution: str = "repair", impl: str = "foreach"):
+        check_betas("betas", betas)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        warmup_steps=int(warmup_steps))
+        super().__init__(params, defaults, resolution=resolution, impl=impl)
+
+
+class SFAdamW(_ScalarOnly):
+    """Schedule-free AdamW, memory-efficient form: the parameter holds y, ``state['z']`` holds z.
+
+    ``betas[0]`` is the interpolation weight β of y = (1-β) z + β x (schedule_free's convention); call
+    ``optimizer.eval()`` before evaluating/checkpointing (parameters become x) and ``optimizer.train()``
+    before stepping again — ``step()`` in eval mode raises. Weight decay acts at z."""
+
+    _sf = True
+    _schedule_free = True
+
+    def __init__(self, params, lr: float = 2.5e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, warmup_steps: int = 0,
+                 resolution: str = "repair", impl: str = "foreach"):
+        check_betas("betas", betas)
+        if betas[0] <= 0:
+            raise ValueError(f"Invalid betas[0]: {betas[0]} (the schedule-free interpolation weight must be > 0:"
+                             " rebuilding x divides by it)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        warmup_steps=int(warmup_steps), sf_beta=float(betas[0]), sf_weight_sum=0.0)
+        super().__init__(params, defaults, resolution=resolution, impl=impl)
+
+    @torch.no_grad()
+    def _swap(self, *, to_train: bool) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                z = self.state[p].get("z")
+                if z is not None:
+                    (to_y_ if to_train else to_x_)(p, z, group["sf_beta"])

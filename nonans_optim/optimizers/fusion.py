@@ -1,0 +1,185 @@
+"""Fusion: one composed optimizer, and its presets SFNorMuon, FullFusion and Muon.
+
+``components`` ⊆ {"ns5", "normuon", "sf", "mona", "shampoo"} selects the stages of the spectral path
+(:mod:`._spectral`); parameters routed to the scalar path (:mod:`nonans_optim.routing`) take AdamW, or
+schedule-free AdamW when "sf" is in the components. One ``lr`` and one ``weight_decay`` serve both paths
+because spectral updates are RMS-matched to 0.2 (Moonlight's AdamW matching).
+
+Polyak step (``polyak=True``, active once :meth:`set_loss` has been called): γ = lr · clamp(L̄/Ḡ, 0.1, 10)
+for every parameter, with FusionOpt's EMAs (:mod:`nonans_optim.functional.polyak`). Without a loss the
+multiplier is 1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._base import NonansOptimizer, check_betas, _check_float
+from ..functional.polyak import update_polyak
+from ..functional.schedule_free import to_x_, to_y_
+from ..resolution import STAGE_INDEX, count_nonfinite
+from ..routing import route
+from ._scalar import scalar_init_state, scalar_update
+from ._spectral import spectral_init_state, spectral_update
+
+__all__ = ["Fusion", "SFNorMuon", "FullFusion", "Muon", "COMPONENTS"]
+
+COMPONENTS = frozenset({"ns5", "normuon", "sf", "mona", "shampoo"})
+
+
+class Fusion(NonansOptimizer):
+    """Composed spectral optimizer with a built-in resolution step.
+
+    Args:
+        params: parameters, named parameters, or groups (a group may set ``path`` to "spectral"/"scalar").
+        components: subset of {"ns5", "normuon", "sf", "mona", "shampoo"}.
+        lr, weight_decay: shared by both paths (decay at z on schedule-free paths, decoupled otherwise).
+        momentum, nesterov: spectral momentum μ (B ← lerp(B, G, 1-μ)) and Nesterov.
+        betas, eps: scalar-path Adam (betas[0] is the schedule-free interpolation weight when "sf").
+        sf_beta: spectral schedule-free interpolation weight β of y = (1-β) z + β x.
+        normuon_beta2, normuon_eps: NorMuon row second moment.
+        mona_alpha, mona_beta: MONA G̃ = G + α·EMA_β(G - G_prev). Defaults are the secondary sources'
+            (+0.1, 0.9): the paper's values are unconfirmed (ALGORITHMS.md §3).
+        shampoo_beta, shampoo_refresh_every: KL-Shampoo factor EMA and QR basis refresh period.
+        ns_steps, ns5_dtype: NS5 iterations and hot dtype ("auto", "bf16", "fp32", "fp16", "fp16_safe").
+        warmup_steps: linear lr warmup (also shapes the schedule-free weights).
+        polyak: use the Polyak multiplier once set_loss() has been called.
+        resolution: "repair" (default), "skip" or "off".
+        impl: "foreach" (batched NS5 per shape, default) or "loop" (ground truth).
+    """
+
+    def __init__(self, params, *, components, lr: float = 1e-3, weight_decay: float = 0.01,
+                 momentum: float = 0.95, nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, sf_beta: float = 0.9, normuon_beta2: float = 0.95,
+                 normuon_eps: float = 1e-8, mona_alpha: float = 0.1, mona_beta: float = 0.9,
+                 shampoo_beta: float = 0.95, shampoo_refresh_every: int = 10, ns_steps: int = 5,
+                 ns5_dtype: str = "auto", warmup_steps: int = 0, polyak: bool = True,
+                 resolution: str = "repair", impl: str = "foreach"):
+        comps = frozenset(components)
+        unknown = sorted(comps - COMPONENTS)
+        if unknown or isinstance(components, str):
+            bad = unknown if unknown else [components]
+            raise ValueError(f"unknown components {bad}; choose from {sorted(COMPONENTS)}")
+        check_betas("betas", betas)
+        for name, val in (("momentum", momentum), ("sf_beta", sf_beta), ("normuon_beta2", normuon_beta2),
+                          ("mona_beta", mona_beta), ("shampoo_beta", shampoo_beta)):
+            _check_float(name, val, high=1.0, high_open=True)
+        _check_float("normuon_eps", normuon_eps)
+        if not isinstance(mona_alpha, (int, float)) or mona_alpha != mona_alpha:
+            raise ValueError(f"Invalid mona_alpha: {mona_alpha!r}")
+        if "sf" in comps and (sf_beta <= 0 or betas[0] <= 0):
+            raise ValueError("schedule-free needs sf_beta > 0 and betas[0] > 0 (x is rebuilt by dividing by β)")
+        if int(ns_steps) < 1 or int(shampoo_refresh_every) < 1:
+            raise ValueError("ns_steps and shampoo_refresh_every must be >= 1")
+        self.components = comps
+        self._schedule_free = "sf" in comps
+        self._uses_polyak = bool(polyak)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        betas=tuple(betas), eps=eps, sf_beta=sf_beta, normuon_beta2=normuon_beta2,
+                        normuon_eps=normuon_eps, mona_alpha=float(mona_alpha), mona_beta=mona_beta,
+                        shampoo_beta=shampoo_beta, shampoo_refresh_every=int(shampoo_refresh_every),
+                        ns_steps=int(ns_steps), ns5_dtype=ns5_dtype, warmup_steps=int(warmup_steps),
+                        path=None)
+        if "sf" in comps:
+            defaults["sf_weight_sum"] = 0.0
+        super().__init__(params, defaults, resolution=resolution, impl=impl)
+        for group in self.param_groups:
+            if group["path"] not in (None, "spectral", "scalar"):
+                raise ValueError(f"group 'path' must be 'spectral', 'scalar' or None, got {group['path']!r}")
+
+    def _path_of(self, group: dict, j: int, p: torch.Tensor) -> str:
+        if group.get("path") is not None:
+            if group["path"] == "spectral" and p.ndim < 2:
+                raise ValueError(f"a {p.ndim}-D parameter cannot take the spectral path")
+            return group["path"]
+        names = group.get("param_names")
+        return route(p, names[j] if names else None)
+
+    def _before_groups(self, ctx: dict[str, Any]) -> None:
+        super()._before_groups(ctx)
+        if not (self._uses_polyak and self._loss_ever_given):
+            return
+        grads = [p.grad for p in self._all_params() if p.grad is not None]
+        if not grads:
+            return
+        l1 = torch.stack(torch._foreach_norm(grads, 1)).float()
+        ok = torch.isfinite(l1)
+        numels = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(l1.device,
+                                                                               non_blocking=True)
+        l1_sum = torch.where(ok, l1, torch.zeros_like(l1)).sum()
+        count = torch.where(ok, numels, torch.zeros_like(numels)).sum()
+        mult, loss_bad = update_polyak(self._global()["polyak"], ctx["loss"], l1_sum, count)
+        ctx["gamma_mult"] = mult
+        if ctx["resolution"] is not None and ctx["loss"] is not None:
+            counts = count_nonfinite(ctx["loss"].to(l1.device).reshape(1))
+            ctx["counts"][(0, STAGE_INDEX["loss"])] = counts
+
+    def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
+        comps = self.components
+        lists = {"spectral": ([], [], [], []), "scalar": ([], [], [], [])}
+        for j, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            path = self._path_of(group, j, p)
+            st = self.state[p]
+            if not st:
+                st.update(spectral_init_state(p, comps) if path == "spectral"
+                          else scalar_init_state(p, sf="sf" in comps))
+            for lst, item in zip(lists[path], (p, p.grad, st, ctx["index"] + j)):
+                lst.append(item)
+        if not (lists["spectral"][0] or lists["scalar"][0]):
+            return
+        gamma, c = self._schedule(group, ctx)
+        if lists["spectral"][0]:
+            spectral_update(*lists["spectral"], group, ctx, comps=comps, gamma=gamma, c=c, impl=self.impl)
+        if lists["scalar"][0]:
+            scalar_update(*lists["scalar"], group, ctx, sf="sf" in comps, gamma=gamma, c=c, impl=self.impl)
+
+    @torch.no_grad()
+    def _swap(self, *, to_train: bool) -> None:
+        if "sf" not in self.components:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                z = self.state[p].get("z") if p in self.state else None
+                if z is not None:
+                    beta = group["sf_beta"] if "momentum_buffer" in self.state[p] else group["betas"][0]
+                    (to_y_ if to_train else to_x_)(p, z, beta)
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        if self._uses_polyak and "nonans" in self.state:
+            g = self.param_groups[0]
+            t, warm = self.state["nonans"]["step"], g.get("warmup_steps", 0)
+            out["fusion/gamma_curr"] *= min(1.0, t / warm) if warm > 0 else 1.0
+        return out
+
+
+class SFNorMuon(Fusion):
+    """Schedule-free NorMuon (SF-NorMuon, arXiv 2605.23061): components {ns5, normuon, sf}.
+
+    Momentum μ = 0.8 and weight decay 0.05 are the values a re-implementation attributes to the paper's
+    Appendix F (unconfirmed, ALGORITHMS.md §6)."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.05, *, momentum: float = 0.8,
+                 **kwargs):
+        super().__init__(params, components=("ns5", "normuon", "sf"), lr=lr, weight_decay=weight_decay,
+                         momentum=momentum, **kwargs)
+
+
+class FullFusion(Fusion):
+    """All five components: MONA → momentum → KL-Shampoo → NS5 → NorMuon → Schedule-Free."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.05, *, momentum: float = 0.8,
+                 **kwargs):
+        super().__init__(params, components=tuple(COMPONENTS), lr=lr, weight_decay=weight_decay,
+                         momentum=momentum, **kwargs)
+
+
+class Muon(Fusion):
+    """NS5 only (Muon with RMS-matched updates and an AdamW scalar path) — for ablations."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.01, **kwargs):
+        kwargs.setdefault("polyak", False)
+        super().__init__(params, components=("ns5",), lr=lr, weight_decay=weight_decay, **kwargs)

@@ -1,0 +1,182 @@
+"""The resolution stage: detect, repair and account for NaN/Inf inside ``step()`` without a host sync.
+
+The contract (DESIGN.md, "The resolution contract"):
+
+1. finite params and state before ``step()`` ⇒ finite after it, for any pattern of NaN/±Inf in gradients
+   and for non-finite values that arise inside the step;
+2. a non-finite gradient entry is a *missing observation*: moment buffers keep their previous value there,
+   finite entries update normally, and the step continues from the optimizer's own estimate;
+3. a clean step is bit-identical to ``resolution="off"`` and never synchronises with the host;
+4. every event is counted on the device and materialised only when asked for;
+5. explicit policies — ``"repair"``, ``"skip"`` (GradScaler-like, per tensor), ``"off"`` — and escalation
+   (step-size backoff that grows back, like GradScaler's scale).
+
+Why ``torch.where`` everywhere: OLMo-core's skip-step multiplies the update by a 0/1 flag, and 0·NaN = NaN,
+so a NaN gradient still poisons the state. ``where`` selects, it never does arithmetic with the bad value.
+
+This module holds the pure pieces (masks, counts, the event ring, escalation) and :class:`Resolution`,
+the device-side bookkeeping object an optimizer owns. No function here calls ``.item()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "count_nonfinite",
+           "keep_finite", "check_policy"]
+
+POLICIES = ("repair", "skip", "off")
+
+# Where a non-finite value can be met. "grad": the incoming gradient. "moment": a moment update that
+# overflowed with a finite gradient (g² > fp32 max). "direction": NS5 / KL-Shampoo / NorMuon output.
+# "update": the new parameter or schedule-free z. "loss": the value given to set_loss().
+STAGES = ("grad", "moment", "direction", "update", "loss")
+STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
+
+# What was done about it, by policy. Escalation is reported separately (it rides on either action).
+ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
+
+
+def check_policy(resolution: str) -> str:
+    if resolution not in POLICIES:
+        raise ValueError(f"resolution must be one of {POLICIES}, got {resolution!r}")
+    return resolution
+
+
+def count_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """int64 tensor [nan_count, inf_count] of ``x``, on x's device (two reductions, no sync)."""
+    nan = torch.isnan(x).sum()
+    bad = (~torch.isfinite(x)).sum()
+    return torch.stack((nan, bad - nan))
+
+
+def keep_finite(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` where it is finite, ``old`` elsewhere: the last line of defence for any state or param."""
+    return torch.where(torch.isfinite(new), new, old)
+
+
+@dataclasses.dataclass(frozen=True)
+class SingularityEvent:
+    """One resolved singularity: at optimizer ``step``, on parameter ``param`` (its name when the
+    optimizer was given named parameters, else its index in ``state_dict()`` order), in ``stage``."""
+
+    step: int
+    param: str | int
+    stage: str
+    nan_count: int
+    inf_count: int
+    numel: int
+    action: str
+    escalated: bool = False
+
+
+class Resolution:
+    """Device-side counters, event ring and escalation for one optimizer.
+
+    Tensors (all on the parameters' device, all in ``state_dict()``):
+
+    * ``counts`` (P, S, 2) int64 — cumulative [nan, inf] per parameter and stage;
+    * ``events`` (P, S) int64 — number of steps on which each (parameter, stage) had an event;
+    * ``ring_counts`` (K, P, S, 2) and ``ring_step`` (K,) — the last K steps *that had an event*. The write
+      slot only advances on an event step (``ring_ptr += any``), so clean steps keep overwriting the same
+      free slot and no branch on a device value is needed;
+    * ``scale`` (P,) fp32 and ``clean_streak`` (P,) int64 — escalation: a repeated event (within
+      ``growth_interval`` steps of the previous one) halves the parameter's step-size multiplier (floor
+      ``min_scale``); every ``growth_interval`` clean steps double it back toward 1.
+    """
+
+    def __init__(self, policy: str, num_params: int, device: torch.device, *, ring_size: int = 256,
+                 backoff: float = 0.5, growth_interval: int = 100, min_scale: float = 2.0 ** -10):
+        self.policy = check_policy(policy)
+        self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
+        P, S, K = num_params, len(STAGES), ring_size
+        self.tensors: dict[str, torch.Tensor] = {
+            "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
+            "events": torch.zeros(P, S, dtype=torch.int64, device=device),
+            "ring_counts": torch.zeros(K, P, S, 2, dtype=torch.int64, device=device),
+            "ring_step": torch.zeros(K, dtype=torch.int64, device=device),
+            "ring_escalated": torch.zeros(K, P, dtype=torch.bool, device=device),
+            "ring_ptr": torch.zeros((), dtype=torch.int64, device=device),
+            "scale": torch.ones(P, dtype=torch.float32, device=device),
+            "clean_streak": torch.zeros(P, dtype=torch.int64, device=device),
+            "escalations": torch.zeros(P, dtype=torch.int64, device=device),
+        }
+
+    @property
+    def num_params(self) -> int:
+        return self.tensors["scale"].shape[0]
+
+    def scale(self, index: int) -> torch.Tensor:
+        """0-d view of parameter ``index``'s step-size multiplier (1.0 unless escalated)."""
+        return self.tensors["scale"][index]
+
+    def record_step(self, step: int, step_counts: torch.Tensor) -> None:
+        """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state."""
+        t = self.tensors
+        stage_event = step_counts.sum(-1) > 0  # (P, S)
+        param_event = stage_event.any(-1)  # (P,)
+        t["counts"] += step_counts
+        # Escalation: GradScaler-style backoff per parameter, gated with where (no branch, no sync).
+        # Only a *repeated* event backs off: a second event within growth_interval steps of the previous
+        # one. An isolated fault is repaired at full step size (1% faulty steps must not slow training).
+        scale, streak = t["scale"], t["clean_streak"]
+        seen_before = t["events"].sum(-1) > 0
+        repeated = param_event & seen_before & (streak < self.growth_interval)
+        grown = streak + 1 >= self.growth_interval
+        new_scale = torch.where(
+            repeated, torch.clamp(scale * self.backoff, min=self.min_scale),
+            torch.where(grown & ~param_event, torch.clamp(scale * 2.0, max=1.0), scale))
+        escalated = repeated & (new_scale < scale)
+        t["escalations"] += escalated.to(torch.int64)
+        t["clean_streak"] = torch.where(param_event | grown, torch.zeros_like(streak), streak + 1)
+        t["scale"] = new_scale
+        t["events"] += stage_event.to(torch.int64)
+        # Event ring: write into the current free slot; advance only if this step had an event.
+        K = t["ring_step"].shape[0]
+        slot = torch.remainder(t["ring_ptr"], K).reshape(1)
+        t["ring_counts"].index_copy_(0, slot, step_counts.unsqueeze(0))
+        t["ring_escalated"].index_copy_(0, slot, escalated.unsqueeze(0))
+        t["ring_step"].index_copy_(0, slot, torch.full((1,), step, dtype=torch.int64, device=slot.device))
+        t["ring_ptr"] += param_event.any().to(torch.int64)
+
+    # ----- host side: only called from metrics()/events, never from step() -----
+    def materialise(self, names: list[str | int], numels: list[int]) -> list[SingularityEvent]:
+        t = {k: v.cpu() for k, v in self.tensors.items() if k.startswith("ring")}
+        K = t["ring_step"].shape[0]
+        ptr = int(t["ring_ptr"])
+        out: list[SingularityEvent] = []
+        for j in range(max(0, ptr - K), ptr):
+            slot = j % K
+            counts = t["ring_counts"][slot]
+            for p_idx, s_idx in (counts.sum(-1) > 0).nonzero().tolist():
+                nan, inf = counts[p_idx, s_idx].tolist()
+                out.append(SingularityEvent(
+                    step=int(t["ring_step"][slot]), param=names[p_idx], stage=STAGES[s_idx],
+                    nan_count=nan, inf_count=inf, numel=numels[p_idx], action=ACTIONS[self.policy],
+                    escalated=bool(t["ring_escalated"][slot, p_idx])))
+        return out
+
+    def summary(self) -> dict[str, float]:
+        t = {k: v.cpu() for k, v in self.tensors.items() if not k.startswith("ring")}
+        out = {"resolution/events_total": float(t["events"].sum())}
+        for s_idx, stage in enumerate(STAGES):
+            out[f"resolution/events_{stage}"] = float(t["events"][:, s_idx].sum())
+            out[f"resolution/nan_{stage}"] = float(t["counts"][:, s_idx, 0].sum())
+            out[f"resolution/inf_{stage}"] = float(t["counts"][:, s_idx, 1].sum())
+        out["resolution/escalations"] = float(t["escalations"].sum())
+        out["resolution/min_scale"] = float(t["scale"].min()) if t["scale"].numel() else 1.0
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.tensors.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.tensors) - set(state)
+        if missing:
+            raise ValueError(f"resolution state is missing {sorted(missing)}")
+        for k, v in state.items():
+            if k in self.tensors and v.shape != self.tensors[k].shape:
+                raise ValueError(f"resolution state {k!r} has shape {tuple(v.shape)}, expected "
+                                 f"{tuple(self.tensors[k].shape)} (different number of parameters?)")
+        self.tensors = {k: state[k].to(self.tensors[k].device).clone() for k in self.tensors}
