@@ -82,14 +82,16 @@ class Resolution:
       slot only advances on an event step (``ring_ptr += any``), so clean steps keep overwriting the same
       free slot and no branch on a device value is needed;
     * ``scale`` (P,) fp32 and ``clean_streak`` (P,) int64 — escalation: a repeated event (within
-      ``growth_interval`` steps of the previous one) halves the parameter's step-size multiplier (floor
+      ``repeat_window`` steps of the previous one) halves the parameter's step-size multiplier (floor
       ``min_scale``); every ``growth_interval`` clean steps double it back toward 1.
     """
 
     def __init__(self, policy: str, num_params: int, device: torch.device, *, ring_size: int = 256,
-                 backoff: float = 0.5, growth_interval: int = 100, min_scale: float = 2.0 ** -10):
+                 backoff: float = 0.5, growth_interval: int = 100, repeat_window: int = 10,
+                 min_scale: float = 2.0 ** -10):
         self.policy = check_policy(policy)
         self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
+        self.repeat_window = repeat_window
         P, S, K = num_params, len(STAGES), ring_size
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
@@ -118,18 +120,19 @@ class Resolution:
         param_event = stage_event.any(-1)  # (P,)
         t["counts"] += step_counts
         # Escalation: GradScaler-style backoff per parameter, gated with where (no branch, no sync).
-        # Only a *repeated* event backs off: a second event within growth_interval steps of the previous
-        # one. An isolated fault is repaired at full step size (1% faulty steps must not slow training).
+        # Only a *repeated* event backs off: one within ``repeat_window`` steps of the previous event on the
+        # same parameter (a persistent fault). Sporadic faults are repaired at full step size: with 1% faulty
+        # steps, backing off on every event measurably hurt the final loss (3x here, tests/test_resolution).
         scale, streak = t["scale"], t["clean_streak"]
         seen_before = t["events"].sum(-1) > 0
-        repeated = param_event & seen_before & (streak < self.growth_interval)
-        grown = streak + 1 >= self.growth_interval
+        repeated = param_event & seen_before & (streak < self.repeat_window)
+        grown = torch.remainder(streak + 1, self.growth_interval) == 0
         new_scale = torch.where(
             repeated, torch.clamp(scale * self.backoff, min=self.min_scale),
             torch.where(grown & ~param_event, torch.clamp(scale * 2.0, max=1.0), scale))
         escalated = repeated & (new_scale < scale)
         t["escalations"] += escalated.to(torch.int64)
-        t["clean_streak"] = torch.where(param_event | grown, torch.zeros_like(streak), streak + 1)
+        t["clean_streak"] = torch.where(param_event, torch.zeros_like(streak), streak + 1)
         t["scale"] = new_scale
         t["events"] += stage_event.to(torch.int64)
         # Event ring: write into the current free slot; advance only if this step had an event.

@@ -60,12 +60,12 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
     moments = adam_moments_loop if impl == "loop" else adam_moments_foreach
     n = len(grads)
     if sf:
-        # No first moment (β₁ is the interpolation weight): the gradient is the direction input, and a
-        # missing entry moves nothing (its gated value is 0) while v keeps its previous value there.
-        g_counts = [count_nonfinite(g) for g in grads] if repair else [None] * n
-        g_in = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in grads] if repair else grads
-        m_list = [g.clone() for g in g_in]
-        _, m_counts = moments(g_in, m_list, v_list, beta1=0.0, beta2=beta2, repair=repair)
+        # No first moment (β₁ is the interpolation weight): the gradient is the direction input. Seeding
+        # the "moment" with the gated gradient (0 where missing) and running the moment update with β₁ = 0
+        # makes a missing entry move nothing in z while v keeps its previous value there.
+        m_list = ([torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in grads] if repair
+                  else [g.clone() for g in grads])
+        g_counts, m_counts = moments(grads, m_list, v_list, beta1=0.0, beta2=beta2, repair=repair)
     else:
         m_list = [st["exp_avg"] for st in states]
         g_counts, m_counts = moments(grads, m_list, v_list, beta1=beta1, beta2=beta2, repair=repair)

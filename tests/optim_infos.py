@@ -1,0 +1,96 @@
+"""The table of optimizer configurations that drives the generic tests (our take on torch's OptimInfo)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import nonans_optim as no
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimInfo:
+    name: str
+    cls: Callable[..., torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+    moment_keys: tuple[str, ...]  # buffers that must be preserved at non-finite gradient entries
+    schedule_free: bool = False
+
+    def make(self, params, **overrides):
+        return self.cls(params, **{**self.kwargs, **overrides})
+
+
+INFOS = [
+    OptimInfo("AdamW", no.AdamW, {"lr": 1e-2}, ("exp_avg", "exp_avg_sq")),
+    OptimInfo("SFAdamW", no.SFAdamW, {"lr": 1e-2}, ("exp_avg_sq",), schedule_free=True),
+    OptimInfo("Muon", no.Muon, {"lr": 1e-2}, ("momentum_buffer", "exp_avg", "exp_avg_sq")),
+    OptimInfo("SFNorMuon", no.SFNorMuon, {"lr": 1e-2},
+              ("momentum_buffer", "exp_avg_sq"), schedule_free=True),
+    OptimInfo("FullFusion", no.FullFusion, {"lr": 1e-2},
+              ("momentum_buffer", "mona_prev_grad", "mona_diff_avg", "exp_avg_sq"), schedule_free=True),
+    OptimInfo("Fusion-mona", no.Fusion, {"lr": 1e-2, "components": ("ns5", "mona")},
+              ("momentum_buffer", "mona_prev_grad", "mona_diff_avg", "exp_avg", "exp_avg_sq")),
+]
+IDS = [i.name for i in INFOS]
+
+
+class TinyNet(nn.Module):
+    """Embedding, conv, Linear, LayerNorm and biases: every routing case in a few hundred parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc1 = nn.Linear(8 + 4, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, tokens, img):
+        h = torch.cat([self.embed(tokens).mean(1), self.conv(img).mean((2, 3))], dim=1)
+        return self.head(torch.tanh(self.fc2(torch.relu(self.norm(self.fc1(h))))))
+
+
+def make_model(seed: int = 0, dtype=torch.float32) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet().to(dtype)
+
+
+def make_batch(seed: int = 1, n: int = 32, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 11, (n, 5), generator=g)
+    img = torch.randn(n, 1, 5, 5, generator=g).to(dtype)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return tokens, img, y
+
+
+def loss_fn(model, batch):
+    tokens, img, y = batch
+    return nn.functional.cross_entropy(model(tokens, img).float(), y)
+
+
+def train_steps(model, opt, n: int, *, seed: int = 0, inject=None):
+    """n steps on fresh batches; ``inject(step, model)`` may corrupt gradients after backward."""
+    loss = None
+    for i in range(n):
+        batch = make_batch(seed * 1000 + i)
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        if inject is not None:
+            inject(i, model)
+        if hasattr(opt, "set_loss"):
+            opt.set_loss(loss)
+        opt.step()
+    return loss
+
+
+def state_tensors(opt) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, p in enumerate(opt._all_params()):
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"{i}.{k}"] = v
+    return out

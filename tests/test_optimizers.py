@@ -1,0 +1,234 @@
+"""Generic behaviour of every optimizer, driven by the OptimInfo table."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import nonans_optim as no
+from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tensors, train_steps
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(lr=float("nan")), dict(lr=float("inf")),
+                                 dict(weight_decay=-0.1), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1))])
+def test_bad_hyperparameters_raise_naming_the_argument(info, bad):
+    model = make_model()
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        info.make(model.parameters(), **bad)
+
+
+def test_unknown_component_is_named():
+    with pytest.raises(ValueError, match="adam"):
+        no.Fusion(make_model().parameters(), components=("ns5", "adam"))
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_duplicate_parameters_raise(info):
+    model = make_model()
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="duplicate"):
+        info.make(params + params[:1])
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_sparse_gradient_raises_before_any_state_change(info):
+    emb = nn.Embedding(10, 4, sparse=True)
+    lin = nn.Linear(4, 4)
+    opt = info.make(list(emb.parameters()) + list(lin.parameters()))
+    before = [p.detach().clone() for p in list(emb.parameters()) + list(lin.parameters())]
+    lin(emb(torch.tensor([1, 2]))).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    after = list(emb.parameters()) + list(lin.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_complex_parameters_raise(info):
+    with pytest.raises(ValueError, match="complex"):
+        info.make([nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))])
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_moves_downhill(info):
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    batch = make_batch(5)
+    start = loss_fn(model, batch).item()
+    for _ in range(5):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+    if info.schedule_free:
+        opt.eval()
+    assert loss_fn(model, batch).item() < start
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_loop_and_foreach_agree(info):
+    models = [make_model() for _ in range(2)]
+    opts = [info.make(m.named_parameters(), impl=impl) for m, impl in zip(models, ("loop", "foreach"))]
+    for m, o in zip(models, opts):
+        train_steps(m, o, 8)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    sa, sb = state_tensors(opts[0]), state_tensors(opts[1])
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_state_dict_resume_is_bit_identical(info):
+    ref_model = make_model()
+    ref = info.make(ref_model.named_parameters())
+    train_steps(ref_model, ref, 10, seed=0)
+
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    train_steps(model, opt, 10, seed=0)
+    ckpt_model = copy.deepcopy(model.state_dict())
+    ckpt_opt = copy.deepcopy(opt.state_dict())
+
+    resumed_model = make_model(seed=123)
+    resumed_model.load_state_dict(ckpt_model)
+    resumed = info.make(resumed_model.named_parameters())
+    resumed.load_state_dict(ckpt_opt)
+
+    train_steps(ref_model, ref, 10, seed=7)
+    train_steps(resumed_model, resumed, 10, seed=7)
+    for a, b in zip(ref_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = state_tensors(ref), state_tensors(resumed)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert ref.metrics() == resumed.metrics()
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_params_without_grads_are_untouched(info):
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    model.fc2.weight.requires_grad_(False)
+    model.norm.bias.requires_grad_(False)
+    frozen = [model.fc2.weight.detach().clone(), model.norm.bias.detach().clone()]
+    train_steps(model, opt, 3)
+    assert torch.equal(frozen[0], model.fc2.weight) and torch.equal(frozen[1], model.norm.bias)
+    assert model.fc2.weight not in opt.state and model.norm.bias not in opt.state
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_lr_scheduler_drives_the_step(info):
+    models = [make_model() for _ in range(2)]
+    opts = [info.make(m.named_parameters()) for m in models]
+    sched = torch.optim.lr_scheduler.StepLR(opts[1], step_size=1, gamma=0.0)  # lr 0 after the first step
+    train_steps(models[0], opts[0], 1)
+    train_steps(models[1], opts[1], 1)
+    sched.step()
+    assert opts[1].param_groups[0]["lr"] == 0.0
+    before = [p.detach().clone() for p in models[1].parameters()]
+    train_steps(models[1], opts[1], 2, seed=3)
+    moved = [not torch.equal(a, b) for a, b in zip(before, models[1].parameters())]
+    if info.schedule_free:  # lr 0: z stays, but y still moves toward the average (c=0 keeps x): no motion
+        assert not any(moved)
+    else:
+        assert not any(moved)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_train_eval_round_trip(info):
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    train_steps(model, opt, 5)
+    y = [p.detach().clone() for p in model.parameters()]
+    opt.eval()
+    x = [p.detach().clone() for p in model.parameters()]
+    opt.eval()  # idempotent
+    assert all(torch.equal(a, b) for a, b in zip(x, model.parameters()))
+    opt.train()
+    for a, b in zip(y, model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if info.schedule_free:
+        assert any(not torch.allclose(a, b) for a, b in zip(x, y))
+        opt.eval()
+        with pytest.raises(RuntimeError, match="train\\(\\)"):
+            opt.step()
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dtype_is_preserved(info, dtype):
+    model = make_model(dtype=dtype)
+    opt = info.make(model.named_parameters())
+    for i in range(3):
+        opt.zero_grad()
+        loss_fn(model, make_batch(i, dtype=dtype)).backward()
+        opt.step()
+    for p in model.parameters():
+        assert p.dtype == dtype and torch.isfinite(p).all()
+        for k, v in opt.state[p].items():
+            if k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "z"):
+                assert v.dtype == dtype, k
+
+
+def test_routing_sends_embeddings_heads_and_1d_to_scalar_and_convs_to_spectral():
+    model = make_model()
+    opt = no.SFNorMuon(model.named_parameters())
+    train_steps(model, opt, 1)
+    assert "momentum_buffer" in opt.state[model.conv.weight]
+    assert "momentum_buffer" in opt.state[model.fc1.weight]
+    for p in (model.embed.weight, model.head.weight, model.fc1.bias, model.norm.weight):
+        assert "exp_avg_sq" in opt.state[p] and "momentum_buffer" not in opt.state[p]
+    groups = no.param_groups(model)
+    by_path = {g["path"]: set(g["param_names"]) for g in groups if g.get("weight_decay", None) != 0.0}
+    assert {"conv.weight", "fc1.weight", "fc2.weight"} == by_path["spectral"]
+    assert {"embed.weight", "head.weight"} <= by_path["scalar"]
+
+
+def test_group_path_override():
+    model = make_model()
+    opt = no.Muon([{"params": [model.fc1.weight], "path": "scalar"},
+                   {"params": [p for n, p in model.named_parameters() if n != "fc1.weight"]}])
+    train_steps(model, opt, 1)
+    assert "exp_avg" in opt.state[model.fc1.weight]
+    with pytest.raises(ValueError, match="path"):
+        no.Muon([{"params": [model.fc1.weight], "path": "diagonal"}])
+
+
+def test_plain_parameters_work():
+    model = make_model()
+    opt = no.FullFusion(model.parameters())
+    train_steps(model, opt, 3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_polyak_metrics_and_set_loss(info):
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    train_steps(model, opt, 3)
+    m = opt.metrics()
+    assert all(isinstance(v, float) for v in m.values())
+    if getattr(opt, "_uses_polyak", False):
+        assert {"fusion/loss_ema", "fusion/gnorm_ema", "fusion/gamma_curr"} <= m.keys()
+        assert 0.1 * opt.param_groups[0]["lr"] <= m["fusion/gamma_curr"] <= 10 * opt.param_groups[0]["lr"]
+    with pytest.raises(ValueError, match="scalar"):
+        opt.set_loss(torch.ones(3))
+
+
+def test_adamw_matches_torch_adamw_on_clean_steps():
+    models = [make_model() for _ in range(2)]
+    ours = no.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(models[0], ours, 10)
+    train_steps(models[1], ref, 10)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
