@@ -93,11 +93,13 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                       nesterov=group["nesterov"])
         if "shampoo" in comps:
             from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
+            # The paper's order (yorkerlin/KL-Methods kl_opt.py): precondition with the factors of the
+            # previous steps, then fold this gradient in — the preconditioner never sees its own input.
+            M, bypassed = kl_shampoo_precondition(st, M)
             t_ok = tensor_ok if repair else torch.ones((), dtype=torch.bool, device=G.device)
             internal_bad = kl_shampoo_update_(st, g.reshape(shape), t_ok, int(st["step"]),
                                               beta=group["shampoo_beta"],
                                               refresh_every=group["shampoo_refresh_every"])
-            M, bypassed = kl_shampoo_precondition(st, M)
             if repair:
                 flag = (internal_bad | bypassed).to(torch.int64)
                 _record(ctx, idx, "direction", torch.stack((torch.zeros_like(flag), flag)))
