@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kernels": ("experiments.kernels", "Triton NS5 / fused kernels on a GPU (issue 4)"),
     "ablation": ("experiments.ablation", "case-study ablation on two offline tasks (issue 6)"),
     "questions": ("experiments.questions", "FusionOpt's open questions, one experiment each (issue 6)"),
+    "watch-overhead": ("experiments.watch_overhead", "overhead of nonans_optim.watch() on CPU models"),
     "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),
 }
 

@@ -8,14 +8,9 @@ from .optimizers.adamw import AdamW, SFAdamW
 from .optimizers.fusion import FullFusion, Fusion, Muon, SFNorMuon
 from .resolution import SingularityEvent
 from .routing import param_groups
+from .watch import watch
 
 __all__ = ["AdamW", "SFAdamW", "Fusion", "SFNorMuon", "FullFusion", "Muon", "SingularityEvent", "ns5",
            "param_groups", "watch"]
 __version__ = "0.1.0"
 
-
-def __getattr__(name):  # watch lives in its own module; import it lazily
-    if name == "watch":
-        from .watch import watch
-        return watch
-    raise AttributeError(f"module 'nonans_optim' has no attribute {name!r}")

@@ -1,0 +1,297 @@
+"""Tests for ``nonans_optim.watch``: which module is named, in which phase, and that watching is free of
+host syncs and leaves the model unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nonans_optim
+from nonans_optim.watch import Watch, watch
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+class Sqrt(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x)
+
+
+class ClipZero(nn.Module):
+    """max(x, 0) written as a product, so its backward multiplies (Inf·0 = NaN) instead of masking."""
+
+    def forward(self, x):
+        return x * (x > 0)
+
+
+class DictOut(nn.Module):
+    """Returns nested containers; only ``aux`` (inside a list inside a dict) is non-finite."""
+
+    def forward(self, x):
+        return {"main": x * 2, "extra": [x.sum(), torch.log(-x.abs() - 1)], "n": 3}
+
+
+class NoTensor(nn.Module):
+    def forward(self, x):
+        return None
+
+
+class Parent(nn.Module):
+    """A NaN made by functional code in the parent's own forward, between two children."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.c(self.b(torch.log(self.a(x) - 100.0)))
+
+
+class Reuse(nn.Module):
+    """One Linear called three times; the third call overflows fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.lin.weight.fill_(1e12)
+            self.lin.bias.zero_()
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.lin(x) * 100.0
+        return x
+
+
+def mlp_with(middle: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), middle, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def all_hooks_empty(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_middle_layer_nan_is_named_with_type_and_not_later_layers():
+    model = mlp_with(Log())  # Linear output has negative entries: log gives NaN in layer "1"
+    with watch(model) as w:
+        model(torch.randn(16, 4)).sum().backward()
+        first = w.first_nonfinite()
+    assert first == {"phase": "forward", "module": "1", "type": "Log", "call": 0, "where": "output",
+                     "inside": ""}
+
+
+def test_clean_run_reports_none():
+    model = mlp_with(nn.ReLU())
+    with watch(model) as w:
+        model(torch.randn(16, 4)).sum().backward()
+        assert w.first_nonfinite() is None
+        assert w.report() == {"forward": None, "backward": None}
+
+
+def test_backward_only_nan_is_named_in_backward_phase():
+    # ClipZero makes exact zeros; sqrt(0) = 0 forward, d/dx sqrt at 0 = Inf backward.
+    model = mlp_with(nn.Sequential(ClipZero(), Sqrt()))
+    with watch(model) as w:
+        out = model(torch.randn(64, 4))
+        assert w.report()["forward"] is None
+        out.sum().backward()
+        rep = w.report()
+    assert rep["forward"] is None
+    assert rep["backward"] == {"phase": "backward", "module": "1.1", "type": "Sqrt", "call": 0,
+                               "where": "grad_input", "inside": "1"}
+    assert w.first_nonfinite() == rep["backward"]
+    assert not torch.isfinite(model[0].weight.grad).all()  # the test really produced a bad gradient
+
+
+def test_nonfinite_gradient_from_the_loss_is_attributed_to_the_model_output():
+    model = mlp_with(nn.ReLU())
+    with watch(model) as w:
+        out = model(torch.randn(8, 4))
+        loss = torch.sqrt(out - out.detach()).sum()  # forward 0, backward Inf at the root's output
+        loss.backward()
+        rep = w.report()
+    assert rep["forward"] is None
+    assert rep["backward"]["module"] == "" and rep["backward"]["where"] == "grad_output"
+    assert rep["backward"]["inside"] is None and rep["backward"]["type"] == "Sequential"
+
+
+def test_functional_nan_in_parent_body_blames_the_parent_not_the_next_layer():
+    model = Parent()
+    with watch(model) as w:
+        model(torch.randn(8, 4))
+        first = w.first_nonfinite()
+    assert first["module"] == "b" and first["where"] == "input" and first["inside"] == ""
+
+
+def test_nonfinite_data_is_reported_at_the_root_input():
+    model = mlp_with(nn.ReLU())
+    x = torch.randn(8, 4)
+    x[3, 1] = float("inf")
+    with watch(model) as w:
+        model(x)
+        first = w.first_nonfinite()
+    assert first == {"phase": "forward", "module": "", "type": "Sequential", "call": 0, "where": "input",
+                     "inside": None}
+
+
+def test_inputs_false_falls_back_to_first_bad_output():
+    model = Parent()
+    with watch(model, inputs=False) as w:
+        model(torch.randn(8, 4))
+        first = w.first_nonfinite()
+    assert first["module"] == "b" and first["where"] == "output"
+
+
+def test_module_called_several_times_reports_the_call_index():
+    model = Reuse()
+    with watch(model) as w:
+        model(torch.ones(2, 4))
+        first = w.first_nonfinite()
+    assert first["module"] == "lin" and first["call"] == 2 and first["where"] == "output"
+
+
+def test_nested_container_outputs_and_tensorless_outputs():
+    model = nn.Sequential(nn.Linear(4, 4), NoTensor())
+    with watch(model) as w:
+        model(torch.randn(2, 4))
+        assert w.first_nonfinite() is None
+    holder = nn.ModuleDict({"d": DictOut()})
+    with watch(holder) as w:
+        holder["d"](torch.randn(3, 4))
+        assert w.first_nonfinite()["module"] == "d"
+
+
+def test_tuple_outputs_of_attention_and_a_realistic_transformer():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    with torch.no_grad():
+        model.layers[1].linear1.weight[0, 0] = float("nan")
+    with watch(model) as w:
+        model(torch.randn(2, 5, 16)).sum().backward()
+        rep = w.report()
+    assert rep["forward"]["module"] == "layers.1.linear1"
+    assert rep["forward"]["type"] == "Linear" and rep["forward"]["where"] == "output"
+    assert rep["backward"] is not None  # the NaN forward poisons gradients too
+
+
+def test_reset_forgets_events_and_call_counts():
+    model = Reuse()
+    with watch(model) as w:
+        model(torch.ones(2, 4))
+        assert w.first_nonfinite()["call"] == 2
+        w.reset()
+        assert w.report() == {"forward": None, "backward": None}
+        model.lin(torch.full((2, 4), float("nan")))  # first call of lin since the reset
+        assert w.first_nonfinite() == {"phase": "forward", "module": "lin", "type": "Linear", "call": 0,
+                                       "where": "input", "inside": None}
+    clean = mlp_with(nn.ReLU())
+    with watch(clean) as w:
+        clean(torch.full((8, 4), float("nan"))).sum().backward()
+        assert w.report()["forward"] is not None and w.report()["backward"] is not None
+        w.reset()
+        clean(torch.randn(8, 4)).sum().backward()
+        assert w.report() == {"forward": None, "backward": None}
+
+
+def test_context_manager_removes_all_hooks_and_keeps_results():
+    model = mlp_with(Log())
+    with watch(model) as w:
+        assert not all_hooks_empty(model)
+        model(torch.randn(8, 4))
+    assert all_hooks_empty(model)
+    assert w.first_nonfinite()["module"] == "1"
+    w.remove()  # idempotent
+    assert "removed" in repr(w)
+
+
+def test_watching_does_not_change_values_and_tolerates_inplace_ops():
+    """Full backward hooks would raise here (in-place ReLU on a hooked BatchNorm output)."""
+    def build():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+
+    x = torch.randn(16, 4)
+    plain = build()
+    plain(x).sum().backward()
+    watched = build()
+    with watch(watched) as w:
+        watched(x).sum().backward()
+        assert w.first_nonfinite() is None
+    for p, q in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_forward_false_and_backward_false():
+    model = mlp_with(nn.Sequential(ClipZero(), Sqrt()))
+    with watch(model, backward=False) as w:
+        model(torch.randn(64, 4)).sum().backward()
+        assert w.report() == {"forward": None, "backward": None}
+    model = mlp_with(Log())
+    with watch(model, forward=False) as w:
+        model(torch.randn(64, 4)).sum().backward()
+        rep = w.report()
+    assert rep["forward"] is None and rep["backward"] is not None
+
+
+def test_exception_in_forward_leaves_watch_usable():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4), Boom())
+    with watch(model) as w:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(2, 4))
+        model[0](torch.full((2, 4), float("nan")))
+        assert w.first_nonfinite()["module"] == "0"
+
+
+def test_hooks_do_not_sync(monkeypatch):
+    """Every host read of a tensor value goes through one of these; make them raise while watching."""
+    model = mlp_with(nn.Sequential(ClipZero(), Sqrt()))
+    x = torch.randn(64, 4)
+    w = watch(model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync inside a watch hook")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+            m.setattr(torch.Tensor, name, refuse)
+        loss = model(x).sum()
+        loss.backward()
+    assert w.report()["backward"]["type"] == "Sqrt"  # reading afterwards is the one sync
+    w.remove()
+
+
+def test_rejects_non_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        watch(lambda x: x)
+    assert isinstance(watch(nn.Linear(2, 2)), Watch)
+
+
+def test_package_attribute_is_the_function():
+    import nonans_optim.watch  # noqa: F401  (any import of the submodule, e.g. by another test)
+    assert callable(nonans_optim.watch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_sync_under_cuda_sync_debug_mode():
+    model = mlp_with(nn.Sequential(ClipZero(), Sqrt())).cuda()
+    x = torch.randn(64, 4, device="cuda")
+    with watch(model) as w:
+        model(x).sum().backward()  # warm-up (allocator, lazy init)
+        w.reset()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert w.report()["backward"]["type"] == "Sqrt"
