@@ -21,8 +21,9 @@ Leading dimensions are a batch: same-shape matrices are stacked and run through 
 chain, which is how the optimizers call it (one NS5 per shape bucket, not per parameter).
 
 Backends: ``"torch"`` (this file, the reference and the test oracle of every kernel), ``"triton"``
-(``nonans_optim.kernels``, CUDA only), ``"auto"`` (Triton on CUDA when the kernels are importable, torch
-otherwise). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
+(``nonans_optim.kernels``, CUDA only), ``"auto"`` (Triton on CUDA for matrices whose short side is at least
+``NONANS_NS5_TRITON_MIN_DIM`` — the crossover measured by ``python -m experiments kernels`` — torch
+otherwise, and torch everywhere until that crossover is set). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float
     return X
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device, shape: tuple[int, ...]) -> str:
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
@@ -116,7 +117,13 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"NONANS_NS5_BACKEND must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_ns5() is not None else "torch"
+        # Triton only where it has been measured to win: the crossover comes from
+        # `python -m experiments kernels` on the user's GPU (NONANS_NS5_TRITON_MIN_DIM). Until a GPU run
+        # has set it, "auto" stays on the torch path — no unmeasured kernel is the default.
+        min_dim = os.environ.get("NONANS_NS5_TRITON_MIN_DIM")
+        if device.type == "cuda" and min_dim is not None and _triton_ns5() is not None:
+            return "triton" if min(shape) >= int(min_dim) else "torch"
+        return "torch"
     if backend == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         raise ValueError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for the interpreter)")
     return backend
@@ -163,7 +170,7 @@ def ns5(
         coefficients = [KELLER_COEFFICIENTS] * steps
     requested = "auto" if dtype is None else dtype
     hot = hot_dtype(G.device, requested)
-    backend = _resolve_backend(backend, G.device)
+    backend = _resolve_backend(backend, G.device, tuple(G.shape[-2:]))
 
     batch_shape = G.shape[:-2]
     X = rearrange(normalise(G), "... m n -> (...) m n")
