@@ -1,0 +1,130 @@
+"""Everything rendered from the benchmark JSON: derived comparisons, the RESULTS.md section, the plots.
+
+Nothing here is typed by hand: :func:`compare` derives the per-workload comparison from the arm records,
+:func:`render_markdown` turns it into a table, :func:`plot` draws the loss curves with events marked.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+__all__ = ["compare", "render_markdown", "write_results_section", "plot", "BEGIN", "END"]
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "**no**"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def compare(records: dict[str, dict[str, dict]], overhead: dict[str, dict]) -> dict[str, dict]:
+    """Per workload: the headline comparison derived from the arm records.
+
+    compute recovered vs rollback (%) = (steps rollback lost − steps nonans lost) / steps rollback lost.
+    continuity = max |after/before − 1| of the moment-buffer norm over the resolved steps."""
+    out = {}
+    for key, arms in records.items():
+        base, rb, ours = arms.get("baseline"), arms.get("rollback"), arms.get("nonans")
+        row = dict(baseline_completed=base and base["completed"],
+                   baseline_first_nonfinite=base and base["first_nonfinite_step"],
+                   baseline_failed=bool(base) and (not base["completed"] or base["scaler_skips"] > 0),
+                   clean_metric=arms.get("clean", {}).get("final_metric"),
+                   baseline_metric=base and base["final_metric"],
+                   rollback_completed=rb and rb["completed"], rollback_lost=rb and rb["steps_lost"],
+                   nonans_completed=ours and ours["completed"], nonans_metric=ours and ours["final_metric"],
+                   nonans_events=ours and ours["events_total"], nonans_lost=ours and ours["steps_lost"],
+                   off_completed=arms.get("nonans_off", {}).get("completed"))
+        if rb and ours and rb["steps_lost"]:
+            row["compute_recovered_pct"] = 100.0 * (rb["steps_lost"] - ours["steps_lost"]) / rb["steps_lost"]
+        else:
+            row["compute_recovered_pct"] = None
+        jumps = [abs(c["after"] / c["before"] - 1.0) for c in (ours or {}).get("continuity", [])
+                 if c["before"] and math.isfinite(c["after"])]
+        row["continuity_max_rel_change"] = max(jumps) if jumps else None
+        row["overhead_ratio"] = overhead.get(key, {}).get("ratio")
+        row["peers_completed"] = {a[len("peer_"):]: r["completed"] for a, r in arms.items() if a.startswith("peer_")}
+        out[key] = row
+    return out
+
+
+def render_markdown(results: dict) -> str:
+    """The RESULTS.md section for a bench JSON (``results/bench.json``)."""
+    m, cmp_ = results["machine"], results["compare"]
+    lines = [
+        "## Singularity benchmark (`python -m experiments bench`)", "",
+        f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, size `{results['size']}`, "
+        f"seed {results['seed']}, wall time {results['wall_s']:.0f} s. Peers: "
+        + ", ".join(f"{k} ({v})" for k, v in results["peers"].items()) + ".", "",
+        "| workload | baseline completes | baseline 1st non-finite step | clean ref | baseline | nonans "
+        "completes | nonans metric | events | steps lost: rollback / nonans | compute recovered | "
+        "moment-norm jump | overhead (repair/off) | peers completed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in cmp_.items():
+        wl = results["workloads"][key]
+        lines.append("| " + " | ".join([
+            f"{wl['title']}", _fmt(row["baseline_completed"]), _fmt(row["baseline_first_nonfinite"]),
+            _fmt(row["clean_metric"]), _fmt(row["baseline_metric"]), _fmt(row["nonans_completed"]),
+            _fmt(row["nonans_metric"]), _fmt(row["nonans_events"]),
+            f"{_fmt(row['rollback_lost'])} / {_fmt(row['nonans_lost'])}",
+            "—" if row["compute_recovered_pct"] is None else f"{row['compute_recovered_pct']:.0f}%",
+            _fmt(row["continuity_max_rel_change"], 2),
+            "—" if row["overhead_ratio"] is None else f"{row['overhead_ratio']:.2f}x",
+            ", ".join(f"{k} {_fmt(v)}" for k, v in row.get("peers_completed", {}).items()) or "—"]) + " |")
+    lines += ["", "Metrics are lower-is-better, in fp32 on held-out data; the metric and cause per workload:", ""]
+    for key, wl in results["workloads"].items():
+        note = f" {wl['notes']}." if wl.get("notes") else ""
+        lines.append(f"- **{wl['title']}** ({wl['metric']}; guards: {wl['guards']}): {wl['cause']}.{note}")
+    lines += ["", "Baseline = stock optimizer + guards; it *completes* when it reaches the last step with finite "
+              "parameters and metric (GradScaler completes by skipping steps: those count as steps lost). "
+              "Rollback checkpoints every K steps and restores on a non-finite loss or parameter. "
+              "Moment-norm jump = max |after/before − 1| of the exp_avg/momentum norm across resolved steps. "
+              "Plots: `results/bench_<workload>.png`.", ""]
+    return "\n".join(lines)
+
+
+def write_results_section(markdown: str, path: str) -> None:
+    """Replace the text between the bench markers of ``path`` (created if missing, markers appended)."""
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
+    block = f"{BEGIN}\n{markdown}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def plot(key: str, title: str, arms: dict[str, dict], path: str) -> None:
+    """Loss curves of every arm; nonans events as dots, the baseline's first non-finite step as a cross."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, rec in arms.items():
+        xs = [i for i, v in enumerate(rec["losses"]) if v is not None]
+        ys = [rec["losses"][i] for i in xs]
+        if ys:
+            ax.plot(xs, ys, lw=1, label=f"{arm}{'' if rec['completed'] else ' (failed)'}")
+        if arm == "nonans" and rec["event_steps"]:
+            ev = [s for s in rec["event_steps"] if s < len(rec["losses"])]
+            ax.scatter(ev, [0] * len(ev), marker="|", color="red", s=80, label="nonans events",
+                       transform=ax.get_xaxis_transform(), clip_on=False)
+        if arm == "baseline" and rec["first_nonfinite_step"] is not None:
+            ax.axvline(rec["first_nonfinite_step"], color="black", ls=":", lw=1, label="baseline 1st non-finite")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
