@@ -1,0 +1,123 @@
+"""Output plumbing for the ablation and the open-question experiments: JSON, PNG, wandb, markdown.
+
+Every number that reaches RESULTS.md or OPEN_QUESTIONS.md goes JSON → render function → markdown, so a
+re-render (``--render-only``) reproduces the text from the stored measurements and nothing is typed by hand.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["ROOT", "RESULTS", "write_json", "read_json", "new_figure", "save_figure", "wandb_run",
+           "replace_section", "md_table", "fmt", "mean_sd", "environment"]
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers were measured (they are CPU numbers and noisy: say so next to them)."""
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=float, allow_nan=True))
+    return path
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (5.0, 3.6)):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False)
+    return fig, axes
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class _NoWandb:
+    def log(self, *_a, **_k) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+
+def wandb_run(project: str, name: str, config: dict[str, Any]):
+    """A wandb run in offline mode when wandb is installed and ``NONANS_WANDB=1``; otherwise a no-op."""
+    if os.environ.get("NONANS_WANDB") != "1":
+        return _NoWandb()
+    try:
+        import wandb
+    except ImportError:
+        return _NoWandb()
+    return wandb.init(project=project, name=name, config=config, mode="offline", reinit=True,
+                      dir=str(RESULTS))
+
+
+def replace_section(path: Path, name: str, body: str, *, title: str | None = None) -> None:
+    """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` (append the markers if the
+    file or the section is missing); every other byte of the file is left as it was."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        prefix = "" if not text else ("\n" if text.endswith("\n") else "\n\n")
+        heading = f"## {title}\n\n" if title else ""
+        text = text + prefix + heading + block + "\n"
+    path.write_text(text)
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** -(digits)):
+            return f"{x:.{max(1, digits - 1)}e}"
+        return f"{x:.{digits}g}" if abs(x) >= 1 else f"{x:.{digits}f}".rstrip("0").rstrip(".") or "0"
+    return str(x)
+
+
+def mean_sd(xs: Iterable[float]) -> tuple[float, float]:
+    xs = [float(x) for x in xs]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
