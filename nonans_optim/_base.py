@@ -51,8 +51,8 @@ class NonansOptimizer(Optimizer):
         if "eps" in defaults:
             _check_float("eps", defaults["eps"])
         check_policy(resolution)
-        if impl not in ("loop", "foreach"):
-            raise ValueError(f"impl must be 'loop' or 'foreach', got {impl!r}")
+        if impl not in ("loop", "foreach", "compiled"):
+            raise ValueError(f"impl must be 'loop', 'foreach' or 'compiled', got {impl!r}")
         self.resolution_policy, self.impl = resolution, impl
         super().__init__(params, defaults)
         seen: set[int] = set()

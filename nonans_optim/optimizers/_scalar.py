@@ -19,7 +19,8 @@ import torch
 
 from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop
 from ..functional.schedule_free import sf_update_
-from ..resolution import STAGE_INDEX, count_nonfinite
+from ._common import commit_update, record, restore_if_bad, take_snapshot
+from ._compiled import compiled_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
 
@@ -34,17 +35,12 @@ def scalar_init_state(p: torch.Tensor, *, sf: bool) -> dict[str, torch.Tensor]:
     return st
 
 
-def _record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
-    if counts is not None:
-        key = (index, STAGE_INDEX[stage])
-        prev = ctx["counts"].get(key)
-        ctx["counts"][key] = counts if prev is None else prev + counts
-
-
 def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                   indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                   gamma: torch.Tensor, c: float, impl: str) -> None:
     """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak)."""
+    if impl == "compiled":
+        return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     repair = policy != "off"
     beta1, beta2 = group["betas"]
@@ -54,8 +50,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
     steps = [int(st["step"]) for st in states]  # CPU tensors: no device sync
     snapshot = None
     if policy == "skip":
-        snapshot = [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"})
-                    for p, st in zip(params, states)]
+        snapshot = take_snapshot(params, states)
     v_list = [st["exp_avg_sq"] for st in states]
     moments = adam_moments_loop if impl == "loop" else adam_moments_foreach
     n = len(grads)
@@ -84,20 +79,8 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
             y_new = p * (1 - lr_i * wd) - lr_i * d
             z_new = None
         if repair:
-            upd_counts = count_nonfinite(y_new)
-            y_new = torch.where(torch.isfinite(y_new), y_new, p)
-            if z_new is not None:
-                upd_counts = upd_counts + count_nonfinite(z_new)
-                z_new = torch.where(torch.isfinite(z_new), z_new, st["z"])
-            _record(ctx, idx, "grad", g_counts[i])
-            _record(ctx, idx, "moment", m_counts[i])
-            _record(ctx, idx, "update", upd_counts)
-        p.copy_(y_new)
-        if z_new is not None:
-            st["z"].copy_(z_new)
+            record(ctx, idx, "grad", g_counts[i])
+            record(ctx, idx, "moment", m_counts[i])
+        commit_update(p, st, y_new, z_new, ctx, idx, repair)
         if snapshot is not None:
-            ok = torch.isfinite(g).all()
-            p_old, st_old = snapshot[i]
-            p.copy_(torch.where(ok, p, p_old))
-            for k, old in st_old.items():
-                st[k].copy_(torch.where(ok, st[k], old))
+            restore_if_bad(p, st, snapshot[i], torch.isfinite(g).all())

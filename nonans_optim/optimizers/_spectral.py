@@ -26,7 +26,7 @@ from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
 from ..resolution import count_nonfinite
 from ..routing import matrix_shape
-from ._scalar import _record
+from ._common import commit_update, record, restore_if_bad, take_snapshot
 
 __all__ = ["spectral_init_state", "spectral_update"]
 
@@ -76,8 +76,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         st["step"] += 1
     snapshot = None
     if repair and res.policy == "skip":
-        snapshot = [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"})
-                    for p, st in zip(params, states)]
+        snapshot = take_snapshot(params, states)
     Ms, vs, row_oks, tensor_oks = [], [], [], []
     for p, g, st, idx in zip(params, grads, states, indices):
         shape = matrix_shape(p)
@@ -85,7 +84,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         ok = torch.isfinite(G) if repair else None
         tensor_ok = ok.all() if repair else None
         if repair:
-            _record(ctx, idx, "grad", count_nonfinite(G))
+            record(ctx, idx, "grad", count_nonfinite(G))
         if "mona" in comps:
             G = mona_(G, st["mona_prev_grad"].view(shape), st["mona_diff_avg"].view(shape), ok,
                       alpha=group["mona_alpha"], beta=group["mona_beta"], first=int(st["step"]) == 1)
@@ -102,7 +101,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                                               refresh_every=group["shampoo_refresh_every"])
             if repair:
                 flag = (internal_bad | bypassed).to(torch.int64)
-                _record(ctx, idx, "direction", torch.stack((torch.zeros_like(flag), flag)))
+                record(ctx, idx, "direction", torch.stack((torch.zeros_like(flag), flag)))
         Ms.append(M.float())
         vs.append(st.get("normuon_row_sq"))
         row_oks.append(ok.all(dim=-1) if (repair and "normuon" in comps) else None)
@@ -126,7 +125,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         U = Us[i]
         if repair:
             U_ok = torch.isfinite(U).all()
-            _record(ctx, idx, "direction", count_nonfinite(U))
+            record(ctx, idx, "direction", count_nonfinite(U))
             U = torch.where(U_ok, U, rms_match(Ms[i]))
         U = U.view_as(p).to(p.dtype)
         lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
@@ -134,18 +133,6 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
             y_new, z_new = sf_update_(p, st["z"], U, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
         else:
             y_new, z_new = p * (1 - lr_i * wd) - lr_i * U, None
-        if repair:
-            upd = count_nonfinite(y_new)
-            y_new = torch.where(torch.isfinite(y_new), y_new, p)
-            if z_new is not None:
-                upd = upd + count_nonfinite(z_new)
-                z_new = torch.where(torch.isfinite(z_new), z_new, st["z"])
-            _record(ctx, idx, "update", upd)
-        p.copy_(y_new)
-        if z_new is not None:
-            st["z"].copy_(z_new)
+        commit_update(p, st, y_new, z_new, ctx, idx, repair)
         if snapshot is not None:
-            p_old, st_old = snapshot[i]
-            p.copy_(torch.where(tensor_oks[i], p, p_old))
-            for k, old in st_old.items():
-                st[k].copy_(torch.where(tensor_oks[i], st[k], old))
+            restore_if_bad(p, st, snapshot[i], tensor_oks[i])

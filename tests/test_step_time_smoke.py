@@ -1,0 +1,56 @@
+"""Smoke tests of the two performance experiments: ``--quick`` runs end to end and every arm is timed.
+
+Each runs in a subprocess (the benchmarks set process-wide knobs: torch threads, heavyball's compile mode)
+and writes its JSON to a temporary directory, never to results/ or RESULTS.md."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(command: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{command}.json"
+    proc = subprocess.run([sys.executable, "-m", "experiments", command, "--quick", "--out", str(out),
+                           "--results-md", ""], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_step_time_quick(tmp_path):
+    data = _run("step-time", tmp_path)
+    names = {r["name"] for r in data["arms"]}
+    ours = {"ours AdamW (foreach, repair)", "ours AdamW (compiled, repair)", "ours SFAdamW (foreach, repair)",
+            "ours SFAdamW (compiled, repair)", "ours SFNorMuon (repair)", "ours FullFusion (repair)"}
+    assert ours | {"torch AdamW (foreach)", "torch AdamW (fused)"} <= names
+    assert names | set(data["skipped"]) >= ours  # every arm is either measured or reported as skipped
+    for r in data["arms"]:
+        assert r["rounds"] == 2
+        assert all(_finite_positive(r[k]) for k in ("median_ms", "min_ms", "max_ms", "vs_fused_adamw")), r
+        assert r["state_bytes_per_param"] > 0
+    assert _finite_positive(data["matmul_gflops"]["bf16"]) and _finite_positive(data["ns5_floor_ms"]["bf16"])
+    assert {t["target"].split(" ")[0] for t in data["targets"]} >= {"SFNorMuon", "AdamW"}
+
+
+@pytest.mark.slow
+def test_overhead_quick(tmp_path):
+    data = _run("overhead", tmp_path)
+    assert [r["optimizer"] for r in data["rows"]] == ["AdamW (foreach)", "AdamW (compiled)", "SFAdamW",
+                                                       "SFNorMuon", "FullFusion", "Muon"]
+    for r in data["rows"]:
+        for part in ("step", "train_step"):
+            assert all(_finite_positive(r[part][k]) for k in ("repair_ms", "off_ms", "ratio_of_medians",
+                                                               "median_paired_ratio")), r
+    for kind in ("step", "train_step"):
+        assert len(data["raw_ms"][kind]) == 12 and all(len(v) == 2 for v in data["raw_ms"][kind].values())
