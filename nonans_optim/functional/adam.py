@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import count_nonfinite
+from ..resolution import finite_mask, inspect
 
 __all__ = ["adam_moments_loop", "adam_moments_foreach", "adam_direction", "gated_grad"]
 
 
 def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(g with non-finite entries replaced by ``fallback``, int64 [nan, inf] counts of g)."""
-    return torch.where(torch.isfinite(g), g, fallback), count_nonfinite(g)
+    ok, counts = inspect(g)
+    return torch.where(ok, g, fallback), counts
 
 
 def _moments_one(g, m, v, beta1, beta2, repair):
@@ -34,10 +35,10 @@ def _moments_one(g, m, v, beta1, beta2, repair):
         g_in, g_counts = gated_grad(g, m)
         m.lerp_(g_in, 1 - beta1)
         v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        v_ok = torch.isfinite(v_new)
+        v_ok = finite_mask(v_new)
         moment_counts = torch.stack((torch.zeros_like(g_counts[0]),
-                                     (~v_ok).sum() - g_counts.sum()))
-        v.copy_(torch.where(v_ok, v_new, v))
+                                     (v_new.numel() - torch.count_nonzero(v_ok)) - g_counts.sum()))
+        torch.where(v_ok, v_new, v, out=v)
         return g_counts, moment_counts
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -69,9 +70,9 @@ def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: f
     torch._foreach_addcmul_(v_new, grads, grads, value=1 - beta2)
     moment_counts = []
     for v, vn, gcnt in zip(exp_avg_sqs, v_new, g_counts):
-        ok = torch.isfinite(vn)
-        moment_counts.append(torch.stack((torch.zeros_like(gcnt[0]), (~ok).sum() - gcnt.sum())))
-        v.copy_(torch.where(ok, vn, v))
+        ok = finite_mask(vn)
+        moment_counts.append(torch.stack((torch.zeros_like(gcnt[0]), (vn.numel() - torch.count_nonzero(ok)) - gcnt.sum())))
+        torch.where(ok, vn, v, out=v)
     return g_counts, moment_counts
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from ..resolution import STAGE_INDEX, count_nonfinite
+from ..resolution import STAGE_INDEX, inspect
 
 __all__ = ["record", "take_snapshot", "commit_update", "restore_if_bad"]
 
@@ -28,12 +28,14 @@ def commit_update(p: torch.Tensor, st: dict, y_new: torch.Tensor, z_new: torch.T
     """Write the new parameter (and schedule-free z), keeping the old value wherever the new one is not
     finite — the last line of the invariant, for overflow that no earlier gate could see."""
     if repair:
-        counts = count_nonfinite(y_new)
-        y_new = torch.where(torch.isfinite(y_new), y_new, p)
+        ok, counts = inspect(y_new)
+        torch.where(ok, y_new, p, out=p)  # a select straight into p: no extra copy pass
         if z_new is not None:
-            counts = counts + count_nonfinite(z_new)
-            z_new = torch.where(torch.isfinite(z_new), z_new, st["z"])
+            ok_z, counts_z = inspect(z_new)
+            torch.where(ok_z, z_new, st["z"], out=st["z"])
+            counts = counts + counts_z
         record(ctx, index, "update", counts)
+        return
     p.copy_(y_new)
     if z_new is not None:
         st["z"].copy_(z_new)

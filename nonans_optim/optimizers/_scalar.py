@@ -19,6 +19,7 @@ import torch
 
 from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop
 from ..functional.schedule_free import sf_update_
+from ..resolution import finite_mask
 from ._common import commit_update, record, restore_if_bad, take_snapshot
 from ._compiled import compiled_scalar_update
 
@@ -58,7 +59,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
         # No first moment (β₁ is the interpolation weight): the gradient is the direction input. Seeding
         # the "moment" with the gated gradient (0 where missing) and running the moment update with β₁ = 0
         # makes a missing entry move nothing in z while v keeps its previous value there.
-        m_list = ([torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in grads] if repair
+        m_list = ([torch.where(finite_mask(g), g, torch.zeros_like(g)) for g in grads] if repair
                   else [g.clone() for g in grads])
         g_counts, m_counts = moments(grads, m_list, v_list, beta1=0.0, beta2=beta2, repair=repair)
     else:
@@ -83,4 +84,4 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
             record(ctx, idx, "moment", m_counts[i])
         commit_update(p, st, y_new, z_new, ctx, idx, repair)
         if snapshot is not None:
-            restore_if_bad(p, st, snapshot[i], torch.isfinite(g).all())
+            restore_if_bad(p, st, snapshot[i], finite_mask(g).all())

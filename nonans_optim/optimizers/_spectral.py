@@ -10,8 +10,9 @@ Resolution inside the path (beyond the gradient gate in :mod:`~nonans_optim.func
 
 * KL-Shampoo factors see a gradient only when it is entirely finite (a factor mixes every entry, so a
   partial observation would bias it); a non-finite preconditioned result bypasses the preconditioner;
-* a non-finite NS5/NorMuon result for a matrix (impossible for finite input with :func:`ns5`'s fp32
-  normalisation, but counted anyway) falls back to the RMS-matched momentum — a momentum-SGD step;
+* a non-finite NS5/NorMuon result (impossible for finite input with :func:`ns5`'s fp32 normalisation, but
+  counted anyway, per matrix) reaches the update guard, which keeps the parameter where it was at those
+  entries; the NorMuon row moment keeps its previous value wherever the new one is not finite;
 * the new parameter / z is kept only where finite.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..functional.momentum import momentum_, mona_
 from ..functional.normuon import normuon, rms_match
 from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
-from ..resolution import count_nonfinite
+from ..resolution import finite_mask, inspect, tensor_counts
 from ..routing import matrix_shape
 from ._common import commit_update, record, restore_if_bad, take_snapshot
 
@@ -81,10 +82,12 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
     for p, g, st, idx in zip(params, grads, states, indices):
         shape = matrix_shape(p)
         G = g.reshape(shape)
-        ok = torch.isfinite(G) if repair else None
-        tensor_ok = ok.all() if repair else None
+        ok = tensor_ok = None
         if repair:
-            record(ctx, idx, "grad", count_nonfinite(G))
+            ok, counts = inspect(G)
+            record(ctx, idx, "grad", counts)
+            if snapshot is not None or "shampoo" in comps:
+                tensor_ok = counts.sum() == 0
         if "mona" in comps:
             G = mona_(G, st["mona_prev_grad"].view(shape), st["mona_diff_avg"].view(shape), ok,
                       alpha=group["mona_alpha"], beta=group["mona_beta"], first=int(st["step"]) == 1)
@@ -114,19 +117,18 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
     Us: list[torch.Tensor | None] = [None] * len(Ms)
     for members in buckets.values():
         U_b, v_b = _directions([Ms[i] for i in members], [vs[i] for i in members],
-                               [row_oks[i] for i in members], group, comps, batched=impl == "foreach")
+                               [row_oks[i] for i in members], group, comps, batched=impl != "loop")
         for i, U, v_new in zip(members, U_b, v_b):
             Us[i] = U
             if v_new is not None:
-                states[i]["normuon_row_sq"].copy_(v_new)
+                v_old = states[i]["normuon_row_sq"]
+                torch.where(finite_mask(v_new), v_new, v_old, out=v_old)
 
     wd = group["weight_decay"]
     for i, (p, st, idx) in enumerate(zip(params, states, indices)):
         U = Us[i]
-        if repair:
-            U_ok = torch.isfinite(U).all()
-            record(ctx, idx, "direction", count_nonfinite(U))
-            U = torch.where(U_ok, U, rms_match(Ms[i]))
+        if repair:  # a non-finite entry of U makes y_new non-finite there: the update guard keeps p
+            record(ctx, idx, "direction", tensor_counts(U.sum()))
         U = U.view_as(p).to(p.dtype)
         lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
         if "sf" in comps:
