@@ -82,17 +82,9 @@ def interleaved(arms: dict[str, Callable[[], Any]], *, rounds: int, warmup: int,
 
 
 def write_marked_section(path: Path, key: str, heading: str, body: str) -> None:
-    """Replace the text between ``<!-- key:begin -->`` and ``<!-- key:end -->`` (append the section with
-    ``heading`` when the markers are missing); other sections of the file are left untouched."""
-    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
-    text = path.read_text() if path.exists() else "# Results\n"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + f"\n\n## {heading}\n\n{block}\n"
-    path.write_text(text)
+    """The one marker writer of the experiments (``questions_io.replace_section``), under its old name."""
+    from experiments.questions_io import replace_section
+    replace_section(path, key, body, title=heading)
 
 
 def state_bytes(opts: list[torch.optim.Optimizer], params: set[int]) -> tuple[int, int]:

@@ -116,7 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: less noise)")
     parser.add_argument("--no-anomaly", action="store_true", help="skip the detect_anomaly reference")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--results-md", default="RESULTS.md", help="section to update ('' to skip)")
+    parser.add_argument("--render-only", action="store_true", help="re-render RESULTS.md from --out")
     args = parser.parse_args(argv)
+    if args.render_only:
+        from experiments.questions_io import replace_section
+        replace_section(Path(args.results_md), "watch", render(json.loads(args.out.read_text())),
+                        title="Overhead of nonans_optim.watch() (issue 3)")
+        return 0
     torch.set_num_threads(args.threads)
     variants = tuple(v for v in VARIANTS if not (args.no_anomaly and v == "anomaly"))
     t0 = time.perf_counter()
@@ -136,7 +143,27 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"{row['ms_' + v]:>12.3f}" for v in variants)
               + "".join(f"{row['ratio_' + v]:>14.3f}" for v in variants if v != "off"))
     print(f"machine: {result['machine']}\nwrote {args.out}")
+    if args.results_md:
+        from experiments.questions_io import replace_section
+        replace_section(Path(args.results_md), "watch", render(result),
+                        title="Overhead of nonans_optim.watch() (issue 3)")
     return 0
+
+
+def render(result: dict) -> str:
+    """Markdown table of one run's JSON (ratios are medians of paired per-round ratios)."""
+    from experiments.questions_io import md_table
+    m = result["machine"]
+    lines = [f"Command: `{result['command']}` (JSON: `results/watch_overhead.json`); {m['platform']}, "
+             f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['torch_threads']} thread(s). Forward + backward "
+             "time with `watch(model)` attached vs without, and `torch.autograd.detect_anomaly` as the "
+             "reference; CPU timings from a shared machine: read the ratios.", ""]
+    variants = result["settings"]["variants"]
+    header = ["model", "params", "modules"] + [f"ms {v}" for v in variants] + \
+        [f"{v}/off" for v in variants if v != "off"]
+    rows = [[r["model"], r["params"], r["modules"]] + [r[f"ms_{v}"] for v in variants]
+            + [r[f"ratio_{v}"] for v in variants if v != "off"] for r in result["results"]]
+    return "\n".join(lines) + "\n" + md_table(header, rows)
 
 
 if __name__ == "__main__":
