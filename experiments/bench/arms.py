@@ -7,7 +7,9 @@
                    parameter (the offending batch is skipped); it counts the steps it recomputes.
 * ``nonans``     — our optimizer with ``resolution="repair"``, the same clipping, no GradScaler. Note that
                    torch's ``clip_grad_norm_`` multiplies every gradient by a NaN coefficient as soon as one
-                   entry is NaN, so with clipping a single NaN costs the whole step's observation.
+                   entry is NaN (the whole step becomes NaN), and by 0 as soon as one entry is Inf (every
+                   finite entry becomes an observed 0, the Inf entries NaN) — with clipping, a single
+                   non-finite entry costs the whole step's observation (measured on workload 4).
 * ``nonans_off`` — the same optimizer with ``resolution="off"``: the control that shows the algorithm
                    alone (e.g. the safe NS5) vs the resolution stage.
 * peers          — heavyball, pytorch_optimizer, schedulefree, when installed (detected, never imported
@@ -15,7 +17,9 @@
 
 "Stock" means torch.optim.AdamW for "adamw" workloads, a Muon-style optimizer written the common way
 (momentum, then NS5 that casts *first* and normalises in the hot dtype: :func:`nonans_optim.ns5.ns5_naive`)
-for "muon", and KL-Shampoo alone for "shampoo".
+for "muon", and for "shampoo" the reference KL-Shampoo update (:class:`.kl_shampoo_stock.StockKLShampoo`:
+bf16 state, W -= lr·U with no RMS matching) on 2-D parameters plus torch AdamW on the rest; its clean run
+keeps the same update with fp32 state.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torch.optim import Optimizer
 import nonans_optim
 from nonans_optim.ns5 import ns5_naive
 
+from .kl_shampoo_stock import StockKLShampoo
 from .spec import Task
 
 __all__ = ["ARMS", "STOCK_ARMS", "OURS_ARMS", "PEERS", "NaiveMuon", "Chain", "make_optimizer", "peer_status",
@@ -133,13 +138,17 @@ def make_optimizer(arm: str, task: Task):
         return Chain(NaiveMuon(spectral, lr=spec.lr, weight_decay=spec.weight_decay, hot=hot),
                      torch.optim.AdamW(scalar, lr=spec.lr, weight_decay=spec.weight_decay))
     if spec.kind == "shampoo":
-        comps = ("shampoo", "ns5") if ours else ("shampoo",)
-        # the stock arm is KL-Shampoo alone with the resolution stage off; "clean" composes it with NS5
-        if arm == "clean":
-            comps = ("shampoo", "ns5")
-        return nonans_optim.Fusion(nonans_optim.param_groups(model), components=comps, lr=spec.lr,
-                                   weight_decay=spec.weight_decay, polyak=False,
-                                   resolution=resolution if ours else "off")
+        if ours:
+            return nonans_optim.Fusion(nonans_optim.param_groups(model), components=("shampoo", "ns5"),
+                                       lr=spec.lr, weight_decay=spec.weight_decay, polyak=False,
+                                       resolution=resolution)
+        # the reference applies KL-Shampoo to every matrix; vectors go to AdamW at the same rate
+        lr = spec.stock_lr if spec.stock_lr is not None else spec.lr
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        cast = torch.float32 if arm == "clean" else torch.bfloat16
+        return Chain(StockKLShampoo(mats, lr=lr, weight_decay=spec.weight_decay, cast_dtype=cast),
+                     torch.optim.AdamW(rest, lr=lr, weight_decay=spec.weight_decay))
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 

@@ -1,8 +1,9 @@
 """The training loop every arm shares, and what it measures.
 
 Per run: the loss at every step, the first step at which anything (loss, gradient or parameter) was
-non-finite, whether the run completed (reached its last step with finite parameters and a finite final
-metric), steps lost, GradScaler skips, rollbacks, and for our optimizer the resolved events and the
+non-finite, how many steps had a non-finite *loss* (the forward pass itself overflowed — distinct from a
+GradScaler calibration skip, where only the scaled backward overflows), whether the run completed (reached
+its last step with finite parameters and a finite final metric), steps lost, GradScaler skips, rollbacks, and for our optimizer the resolved events and the
 moment-buffer norm just before and just after every step that had one (continuity).
 
 The harness syncs freely (``float(loss)``, finiteness checks): it is user code *around* ``step()``, and
@@ -70,8 +71,9 @@ def run_arm(workload: Workload, arm: str, *, size: str = "default", seed: int = 
 
     losses: list[float | None] = []
     rec = dict(workload=workload.key, arm=arm, size=size, seed=seed, steps=steps, completed=False,
-               first_nonfinite_step=None, scaler_skips=0, rollbacks=0, steps_lost=0, no_info_steps=0,
-               continuity=[], event_steps=[], events_total=0)
+               first_nonfinite_step=None, first_nonfinite_loss_step=None, nonfinite_loss_steps=0,
+               scaler_skips=0, rollbacks=0, steps_lost=0, no_info_steps=0, continuity=[], event_steps=[],
+               events_total=0)
     ckpt = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())) if arm == "rollback" else None
     budget = 2 * steps if arm == "rollback" else steps  # the rollback arm may spend up to 2x the compute
     step, data_index, events_seen = 0, 0, 0.0
@@ -88,6 +90,10 @@ def run_arm(workload: Workload, arm: str, *, size: str = "default", seed: int = 
         frac = _finite_fraction(grads)
         if (not math.isfinite(loss_f) or frac < 1.0) and rec["first_nonfinite_step"] is None:
             rec["first_nonfinite_step"] = step
+        if not math.isfinite(loss_f):
+            rec["nonfinite_loss_steps"] += 1
+            if rec["first_nonfinite_loss_step"] is None:
+                rec["first_nonfinite_loss_step"] = step
         before = moment_norm(opt) if tracked_events else None
         if isinstance(opt, NonansOptimizer):
             opt.set_loss(loss.detach())

@@ -33,7 +33,10 @@ def compare(records: dict[str, dict[str, dict]], overhead: dict[str, dict]) -> d
         base, rb, ours = arms.get("baseline"), arms.get("rollback"), arms.get("nonans")
         row = dict(baseline_completed=base and base["completed"],
                    baseline_first_nonfinite=base and base["first_nonfinite_step"],
-                   baseline_failed=bool(base) and (not base["completed"] or base["scaler_skips"] > 0),
+                   baseline_nonfinite_losses=base and base.get("nonfinite_loss_steps"),
+                   # failed: died, or its forward pass produced a non-finite loss (GradScaler then skips
+                   # those steps; a skip from GradScaler's own scale calibration alone is not a failure)
+                   baseline_failed=bool(base) and (not base["completed"] or base.get("nonfinite_loss_steps", 0) > 0),
                    clean_metric=arms.get("clean", {}).get("final_metric"),
                    baseline_metric=base and base["final_metric"],
                    rollback_completed=rb and rb["completed"], rollback_lost=rb and rb["steps_lost"],
@@ -61,7 +64,7 @@ def render_markdown(results: dict) -> str:
         f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, size `{results['size']}`, "
         f"seed {results['seed']}, wall time {results['wall_s']:.0f} s. Peers: "
         + ", ".join(f"{k} ({v})" for k, v in results["peers"].items()) + ".", "",
-        "| workload | baseline completes | baseline 1st non-finite step | clean ref | baseline | nonans "
+        "| workload | baseline completes | baseline: 1st non-finite step / non-finite losses | clean ref | baseline | nonans "
         "completes | nonans metric | events | steps lost: rollback / nonans | compute recovered | "
         "moment-norm jump | overhead (repair/off) | peers completed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -69,7 +72,8 @@ def render_markdown(results: dict) -> str:
     for key, row in cmp_.items():
         wl = results["workloads"][key]
         lines.append("| " + " | ".join([
-            f"{wl['title']}", _fmt(row["baseline_completed"]), _fmt(row["baseline_first_nonfinite"]),
+            f"{wl['title']}", _fmt(row["baseline_completed"]),
+            f"{_fmt(row['baseline_first_nonfinite'])} / {_fmt(row.get('baseline_nonfinite_losses'))}",
             _fmt(row["clean_metric"]), _fmt(row["baseline_metric"]), _fmt(row["nonans_completed"]),
             _fmt(row["nonans_metric"]), _fmt(row["nonans_events"]),
             f"{_fmt(row['rollback_lost'])} / {_fmt(row['nonans_lost'])}",
@@ -83,6 +87,9 @@ def render_markdown(results: dict) -> str:
         lines.append(f"- **{wl['title']}** ({wl['metric']}; guards: {wl['guards']}): {wl['cause']}.{note}")
     lines += ["", "Baseline = stock optimizer + guards; it *completes* when it reaches the last step with finite "
               "parameters and metric (GradScaler completes by skipping steps: those count as steps lost). "
+              "Non-finite losses = steps whose forward pass itself overflowed (a GradScaler run with many of "
+              "them has stopped learning even though it 'completes'; a 1st non-finite step with 0 of them is "
+              "GradScaler's scale calibration). "
               "Rollback checkpoints every K steps and restores on a non-finite loss or parameter. "
               "Moment-norm jump = max |after/before − 1| of the exp_avg/momentum norm across resolved steps. "
               "Plots: `results/bench_<workload>.png`.", ""]

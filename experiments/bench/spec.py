@@ -22,14 +22,17 @@ class OptimSpec:
     """Which optimizer family a workload trains with, and its hyperparameters.
 
     kind: "adamw" (stock torch.optim.AdamW vs nonans_optim.AdamW), "muon" (a stock Muon-style optimizer
-    with a naive NS5 in ``hot`` dtype vs nonans_optim.Fusion(("ns5",))) or "shampoo" (KL-Shampoo alone vs
-    KL-Shampoo composed with NS5, both nonans_optim.Fusion)."""
+    with a naive NS5 in ``hot`` dtype vs nonans_optim.Fusion(("ns5",))) or "shampoo" (the reference
+    KL-Shampoo update, :class:`~.kl_shampoo_stock.StockKLShampoo`, vs nonans_optim.Fusion(("shampoo",
+    "ns5"))). ``stock_lr``: the stock arms' rate where it means something else than ours (KL-Shampoo's
+    raw lr·U vs Fusion's RMS-matched step); None means ``lr``."""
 
     kind: str
     lr: float
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     hot: str = "fp32"  # muon: the NS5 hot dtype of the stock arm ("fp16" or "fp32")
+    stock_lr: float | None = None
 
 
 @dataclasses.dataclass

@@ -15,12 +15,12 @@ __all__ = ["WORKLOADS"]
 _ORDERED = [
     # NS5's safe normalisation avoids the hazard: nothing non-finite reaches the resolution stage
     dataclasses.replace(W1_FP16_NS5, expect_events=False),
-    # GradScaler survives by skipping the overflowing steps (counted as steps lost)
-    dataclasses.replace(W2_AGGRESSIVE_LR, expect_baseline_fails=True),
+    # the fp16 forward overflows (non-finite losses); GradScaler "completes" by skipping those steps
+    W2_AGGRESSIVE_LR,
     W3_OUTLIERS,
-    # fp32 never overflows within the budget: the loss diverges finitely in every arm
-    dataclasses.replace(W4_DIVERSITY, expect_baseline_fails=False, expect_events=False),
-    # KL-Shampoo alone (RMS-matched direction) stays finite here
+    # under fp16 autocast the features overflow (non-finite losses); GradScaler skips from then on
+    W4_DIVERSITY,
+    # the reference KL-Shampoo (no grafting, bf16 state) stays finite at every rate tried: claim refuted
     dataclasses.replace(W5_SHAMPOO, expect_baseline_fails=False, expect_events=False),
     W6_POLICY_GRADIENT,
     W7_NORM,
