@@ -171,6 +171,7 @@ class NonansOptimizer(Optimizer):
         ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
                "index": 0}
         self._pending_loss = None
+        ctx["recent"] = res.recent() if res is not None else None
         self._before_groups(ctx)
         for group in self.param_groups:
             self._step_group(group, ctx)

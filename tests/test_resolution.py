@@ -252,3 +252,22 @@ def test_no_host_sync_in_step_on_gpu(info):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_persistent_whole_tensor_loss_holds_after_one_continuation_step(info):
+    """An isolated all-NaN gradient takes a continuation step from momentum; a repeated one (within the
+    repeat window) holds the parameter instead of drifting along a stale direction."""
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    train_steps(model, opt, 3)
+    snapshots = []
+
+    def inject(step, m):
+        m.fc1.weight.grad.fill_(float("nan"))
+        snapshots.append(m.fc1.weight.detach().clone())
+    train_steps(model, opt, 3, seed=4, inject=inject)
+    after = model.fc1.weight.detach()
+    assert not torch.equal(snapshots[0], snapshots[1]), "first whole-tensor event: continuation step"
+    assert torch.equal(snapshots[1], snapshots[2]) and torch.equal(snapshots[2], after), "repeats hold"
+    assert all_finite(model, opt)

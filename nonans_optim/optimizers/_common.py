@@ -7,7 +7,7 @@ import torch
 
 from ..resolution import STAGE_INDEX, inspect
 
-__all__ = ["record", "take_snapshot", "commit_update", "restore_if_bad"]
+__all__ = ["record", "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
 
 
 def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
@@ -23,11 +23,23 @@ def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:
     return [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"}) for p, st in zip(params, states)]
 
 
+def hold_flag(ctx: dict[str, Any], index: int, grad_counts: torch.Tensor, numel: int) -> torch.Tensor:
+    """0-d bool: this tensor's gradient had no finite entry *and* the parameter had an event within the
+    repeat window — a persistent loss of observations, where continuing from momentum only drifts.
+    An isolated whole-tensor event still takes its continuation step (DESIGN.md contract item 2)."""
+    return ctx["recent"][index] & (grad_counts.sum() == numel)
+
+
 def commit_update(p: torch.Tensor, st: dict, y_new: torch.Tensor, z_new: torch.Tensor | None,
-                  ctx: dict[str, Any], index: int, repair: bool) -> None:
+                  ctx: dict[str, Any], index: int, repair: bool, hold: torch.Tensor | None = None) -> None:
     """Write the new parameter (and schedule-free z), keeping the old value wherever the new one is not
-    finite — the last line of the invariant, for overflow that no earlier gate could see."""
+    finite — the last line of the invariant, for overflow that no earlier gate could see — and everywhere
+    when ``hold`` (see :func:`hold_flag`) is set."""
     if repair:
+        if hold is not None:  # a select, so a held step is bit-exactly the old parameter
+            y_new = torch.where(hold, p, y_new)
+            if z_new is not None:
+                z_new = torch.where(hold, st["z"], z_new)
         ok, counts = inspect(y_new)
         torch.where(ok, y_new, p, out=p)  # a select straight into p: no extra copy pass
         if z_new is not None:

@@ -61,7 +61,7 @@ def _nonfinite_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _count(x != x), _count(~_finite(x))
 
 
-def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z: bool):
+def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z: bool, recent=None):
     """One tensor's step, writing p, m/v (and z) in place; returns (3, 2) int64 [nan, inf] counts for the
     stages grad, moment, update (None under "off", where nothing is detected).
 
@@ -98,6 +98,11 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
         z_new = None
     counts = None
     if gate:
+        if recent is not None:  # _common.hold_flag: persistent whole-tensor loss holds the parameter
+            hold = recent & (g_bad == g.numel())
+            y_new = torch.where(hold, p, y_new)
+            if z_new is not None:
+                z_new = torch.where(hold, z, z_new)
         u_nan, u_bad = _nonfinite_counts(y_new)
         y_new = torch.where(_finite(y_new), y_new, p)
         if z_new is not None:
@@ -124,13 +129,13 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
 
 
 def _group_kernel(params, grads, ms, vs, zs, gamma, scale, indices, bcs, hp, sf: bool, policy: str,
-                  decay_z: bool):
+                  decay_z: bool, recent=None):
     """All tensors of a group in one graph; returns (n, 3, 2) int64 counts (None under "off")."""
     out = []
     for i, (p, g, m, v, z) in enumerate(zip(params, grads, ms, vs, zs)):
         lr = gamma * scale[indices[i]] if scale is not None else gamma
         out.append(_one_tensor(p, g, m, v, z, lr, bcs[i, 0], bcs[i, 1], hp, sf, policy,
-                               decay_z))
+                               decay_z, recent[indices[i]] if recent is not None else None))
     return torch.stack(out) if policy != "off" else None
 
 
@@ -182,7 +187,8 @@ def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     scale = res.tensors["scale"] if res is not None else None
     try:
         counts = _compiled_kernel(sf, policy)(params, grads, ms, vs, zs, gamma, scale, tuple(indices),
-                                              bcs, hp, decay_z=sf and group["weight_decay"] != 0)
+                                              bcs, hp, decay_z=sf and group["weight_decay"] != 0,
+                                              recent=ctx.get("recent") if policy == "repair" else None)
     except Exception as err:  # noqa: BLE001 — any compile failure: report once, then run eager
         _BROKEN.append(f"{type(err).__name__}: {err}")
         warnings.warn(f"impl='compiled': torch.compile failed ({_BROKEN[0][:300]}); using impl='foreach'",

@@ -20,7 +20,7 @@ import torch
 from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop
 from ..functional.schedule_free import sf_update_
 from ..resolution import finite_mask
-from ._common import commit_update, record, restore_if_bad, take_snapshot
+from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled import compiled_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
@@ -82,6 +82,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
         if repair:
             record(ctx, idx, "grad", g_counts[i])
             record(ctx, idx, "moment", m_counts[i])
-        commit_update(p, st, y_new, z_new, ctx, idx, repair)
+        hold = hold_flag(ctx, idx, g_counts[i], g.numel()) if repair else None
+        commit_update(p, st, y_new, z_new, ctx, idx, repair, hold)
         if snapshot is not None:
             restore_if_bad(p, st, snapshot[i], finite_mask(g).all())

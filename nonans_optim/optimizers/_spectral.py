@@ -27,7 +27,7 @@ from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
 from ..resolution import finite_mask, inspect, tensor_counts
 from ..routing import matrix_shape
-from ._common import commit_update, record, restore_if_bad, take_snapshot
+from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
 
 __all__ = ["spectral_init_state", "spectral_update"]
 
@@ -78,7 +78,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
     snapshot = None
     if repair and res.policy == "skip":
         snapshot = take_snapshot(params, states)
-    Ms, vs, row_oks, tensor_oks = [], [], [], []
+    Ms, vs, row_oks, tensor_oks, holds = [], [], [], [], []
     for p, g, st, idx in zip(params, grads, states, indices):
         shape = matrix_shape(p)
         G = g.reshape(shape)
@@ -86,6 +86,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         if repair:
             ok, counts = inspect(G)
             record(ctx, idx, "grad", counts)
+            holds.append(hold_flag(ctx, idx, counts, G.numel()))
             if snapshot is not None or "shampoo" in comps:
                 tensor_ok = counts.sum() == 0
         if "mona" in comps:
@@ -135,6 +136,6 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
             y_new, z_new = sf_update_(p, st["z"], U, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
         else:
             y_new, z_new = p * (1 - lr_i * wd) - lr_i * U, None
-        commit_update(p, st, y_new, z_new, ctx, idx, repair)
+        commit_update(p, st, y_new, z_new, ctx, idx, repair, holds[i] if repair else None)
         if snapshot is not None:
             restore_if_bad(p, st, snapshot[i], tensor_oks[i])
