@@ -66,8 +66,8 @@ class _NoWandb:
 
 
 def wandb_run(project: str, name: str, config: dict[str, Any]):
-    """A wandb run in offline mode when wandb is installed and ``NONANS_WANDB=1``; otherwise a no-op."""
-    if os.environ.get("NONANS_WANDB") != "1":
+    """A wandb run in offline mode when wandb is installed (``NONANS_WANDB=0`` turns it off); else a no-op."""
+    if os.environ.get("NONANS_WANDB", "1") == "0":
         return _NoWandb()
     try:
         import wandb

@@ -152,7 +152,7 @@ class NonansOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._training:
+        if not self._training and self._schedule_free:
             raise RuntimeError(
                 f"{type(self).__name__}.step() called in eval mode: the parameters hold the schedule-free "
                 "average x, not y. Call optimizer.train() before training steps (and optimizer.eval() "

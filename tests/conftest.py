@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/optim_infos.py
+# Experiments log to wandb offline whenever it is installed; the tests check results, not logging.
+os.environ.setdefault("NONANS_WANDB", "0")
 
 
 def pytest_collection_modifyitems(config, items):

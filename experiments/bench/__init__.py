@@ -41,8 +41,8 @@ def _progress(total: int, desc: str):
 
 
 def _wandb_log(group: str, records: dict) -> None:
-    """Offline wandb logging, only when wandb is installed and NONANS_WANDB=1."""
-    if os.environ.get("NONANS_WANDB") != "1":
+    """Offline wandb logging whenever wandb is installed (NONANS_WANDB=0 turns it off)."""
+    if os.environ.get("NONANS_WANDB", "1") == "0":
         return
     try:
         import wandb

@@ -65,8 +65,9 @@ W2_AGGRESSIVE_LR = Workload(
     build=build_lm, guards="clip_grad_norm_(1.0) + GradScaler",
     notes=f"stable rate {LM_LR['stable']} (sweep), run at {LM_LR['aggressive']}; clean run at the stable rate. "
           "Once the fp16 forward overflows on every batch, no arm sees a gradient again: GradScaler freezes the "
-          "weights, repair keeps stepping from the frozen momentum under escalation (1 + 1/2 + ... ≈ 2 full "
-          "steps along the direction that grew the activations) — see the non-finite-loss counts")
+          "weights; repair takes one continuation step from momentum, then holds each parameter because the "
+          "whole-tensor events repeat (before that hold it kept drifting along the direction that grew the "
+          "activations) — see the non-finite-loss counts")
 
 
 # ---------------------------------------------------------------- 3: outlier batches under fp16 autocast

@@ -123,7 +123,10 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
             Us[i] = U
             if v_new is not None:
                 v_old = states[i]["normuon_row_sq"]
-                torch.where(finite_mask(v_new), v_new, v_old, out=v_old)
+                if repair:
+                    torch.where(finite_mask(v_new), v_new, v_old, out=v_old)
+                else:
+                    v_old.copy_(v_new)
 
     wd = group["weight_decay"]
     for i, (p, st, idx) in enumerate(zip(params, states, indices)):
