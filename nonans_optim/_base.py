@@ -45,8 +45,12 @@ class NonansOptimizer(Optimizer):
     _schedule_free: bool = False
     _uses_polyak: bool = False
 
-    def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str):
+    def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
+                 spike_factor: float | None = None):
         _check_float("lr", defaults["lr"])
+        if spike_factor is not None:
+            _check_float("spike_factor", spike_factor, low=1.0)
+        self.spike_factor = spike_factor
         _check_float("weight_decay", defaults.get("weight_decay", 0.0))
         if "eps" in defaults:
             _check_float("eps", defaults["eps"])
@@ -68,6 +72,7 @@ class NonansOptimizer(Optimizer):
         self._loss_ever_given = False
         self._training = True
         self._resolution: Resolution | None = None
+        self._index_cache: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ param bookkeeping
     def _all_params(self) -> list[torch.Tensor]:
@@ -179,6 +184,31 @@ class NonansOptimizer(Optimizer):
         if res is not None:
             res.record_step(st["step"], self._assemble_counts(ctx["counts"], res.num_params))
         return loss
+
+    def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """{position in group: gradient to use} for the parameters with a gradient — after the spike guard
+        (:mod:`nonans_optim.functional.spike`) when ``spike_factor`` is set and resolution is on."""
+        found = {j: p.grad for j, p in enumerate(group["params"]) if p.grad is not None}
+        res = ctx["resolution"]
+        if self.spike_factor is None or res is None or not found:
+            return found
+        from .functional.spike import spike_guard
+        from .resolution import STAGE_INDEX
+        js = list(found)
+        idx = [ctx["index"] + j for j in js]
+        key = (tuple(idx), str(res.tensors["grad_norm_ema"].device))
+        sel = self._index_cache.get(key)
+        if sel is None:  # built once per parameter set, so the host→device copy is not per step
+            sel = torch.tensor(idx, dtype=torch.int64).to(res.tensors["grad_norm_ema"].device, non_blocking=True)
+            self._index_cache[key] = sel
+        ema = res.tensors["grad_norm_ema"]
+        guarded, new_ema, trigger = spike_guard(list(found.values()), ema.index_select(0, sel),
+                                                self.spike_factor)
+        ema.index_copy_(0, sel, new_ema)
+        flags = trigger.to(torch.int64)
+        for i, f in zip(idx, flags.unbind()):
+            ctx["counts"][(i, STAGE_INDEX["spike"])] = torch.stack((torch.zeros_like(f), f))
+        return dict(zip(js, guarded))
 
     def _before_groups(self, ctx: dict[str, Any]) -> None:
         """Optimizer-wide quantities computed once per step (subclasses add the Polyak multiplier)."""

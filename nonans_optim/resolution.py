@@ -30,8 +30,9 @@ POLICIES = ("repair", "skip", "off")
 
 # Where a non-finite value can be met. "grad": the incoming gradient. "moment": a moment update that
 # overflowed with a finite gradient (g² > fp32 max). "direction": NS5 / KL-Shampoo / NorMuon output.
-# "update": the new parameter or schedule-free z. "loss": the value given to set_loss().
-STAGES = ("grad", "moment", "direction", "update", "loss")
+# "update": the new parameter or schedule-free z. "loss": the value given to set_loss(). "spike": a finite
+# gradient whose norm jumped above spike_factor × its running mean and was rescaled (counts: [0, 1]).
+STAGES = ("grad", "moment", "direction", "update", "loss", "spike")
 STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
 
 # What was done about it, by policy. Escalation is reported separately (it rides on either action).
@@ -128,6 +129,7 @@ class Resolution:
             "scale": torch.ones(P, dtype=torch.float32, device=device),
             "clean_streak": torch.zeros(P, dtype=torch.int64, device=device),
             "escalations": torch.zeros(P, dtype=torch.int64, device=device),
+            "grad_norm_ema": torch.zeros(P, dtype=torch.float32, device=device),
         }
 
     @property

@@ -22,14 +22,15 @@ class _ScalarOnly(NonansOptimizer):
 
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         params, grads, states, indices = [], [], [], []
+        found = self._gradients(group, ctx)
         for j, p in enumerate(group["params"]):
-            if p.grad is None:
+            if j not in found:
                 continue
             st = self.state[p]
             if not st:
                 st.update(scalar_init_state(p, sf=self._sf))
             params.append(p)
-            grads.append(p.grad)
+            grads.append(found[j])
             states.append(st)
             indices.append(ctx["index"] + j)
         if not params:
@@ -44,15 +45,16 @@ class AdamW(_ScalarOnly):
 
     Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
     ``impl`` is ``"foreach"`` (default) or ``"loop"`` (the readable ground truth); ``warmup_steps`` ramps
-    the lr linearly over the first steps (0: off)."""
+    the lr linearly over the first steps (0: off); ``spike_factor`` rescales a finite gradient whose norm
+    exceeds that multiple of its running mean (None: off; see :mod:`nonans_optim.functional.spike`)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "foreach"):
+                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = None):
         check_betas("betas", betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=int(warmup_steps))
-        super().__init__(params, defaults, resolution=resolution, impl=impl)
+        super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
 
 
 class SFAdamW(_ScalarOnly):
@@ -67,14 +69,14 @@ class SFAdamW(_ScalarOnly):
 
     def __init__(self, params, lr: float = 2.5e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "foreach"):
+                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = None):
         check_betas("betas", betas)
         if betas[0] <= 0:
             raise ValueError(f"Invalid betas[0]: {betas[0]} (the schedule-free interpolation weight must be > 0:"
                              " rebuilding x divides by it)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=int(warmup_steps), sf_beta=float(betas[0]), sf_weight_sum=0.0)
-        super().__init__(params, defaults, resolution=resolution, impl=impl)
+        super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
 
     @torch.no_grad()
     def _swap(self, *, to_train: bool) -> None:

@@ -46,6 +46,8 @@ class Fusion(NonansOptimizer):
         warmup_steps: linear lr warmup (also shapes the schedule-free weights).
         polyak: use the Polyak multiplier once set_loss() has been called.
         resolution: "repair" (default), "skip" or "off".
+        spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
+            (None: off; :mod:`nonans_optim.functional.spike`).
         impl: "foreach" (batched NS5 per shape, default) or "loop" (ground truth).
     """
 
@@ -55,7 +57,7 @@ class Fusion(NonansOptimizer):
                  normuon_eps: float = 1e-8, mona_alpha: float = 0.1, mona_beta: float = 0.9,
                  shampoo_beta: float = 0.95, shampoo_refresh_every: int = 10, ns_steps: int = 5,
                  ns5_dtype: str = "auto", warmup_steps: int = 0, polyak: bool = True,
-                 resolution: str = "repair", impl: str = "foreach"):
+                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = None):
         comps = frozenset(components)
         unknown = sorted(comps - COMPONENTS)
         if unknown or isinstance(components, str):
@@ -83,7 +85,7 @@ class Fusion(NonansOptimizer):
                         path=None)
         if "sf" in comps:
             defaults["sf_weight_sum"] = 0.0
-        super().__init__(params, defaults, resolution=resolution, impl=impl)
+        super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
         for group in self.param_groups:
             if group["path"] not in (None, "spectral", "scalar"):
                 raise ValueError(f"group 'path' must be 'spectral', 'scalar' or None, got {group['path']!r}")
@@ -118,15 +120,16 @@ class Fusion(NonansOptimizer):
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         comps = self.components
         lists = {"spectral": ([], [], [], []), "scalar": ([], [], [], [])}
+        found = self._gradients(group, ctx)
         for j, p in enumerate(group["params"]):
-            if p.grad is None:
+            if j not in found:
                 continue
             path = self._path_of(group, j, p)
             st = self.state[p]
             if not st:
                 st.update(spectral_init_state(p, comps) if path == "spectral"
                           else scalar_init_state(p, sf="sf" in comps))
-            for lst, item in zip(lists[path], (p, p.grad, st, ctx["index"] + j)):
+            for lst, item in zip(lists[path], (p, found[j], st, ctx["index"] + j)):
                 lst.append(item)
         if not (lists["spectral"][0] or lists["scalar"][0]):
             return

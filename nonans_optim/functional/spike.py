@@ -1,0 +1,42 @@
+"""Guard against finite gradient spikes: rescale a tensor whose gradient norm jumps far above its history.
+
+NaN/Inf are the resolution gate's business; a *finite* spike (an outlier batch, a loss spike, a flipped
+exponent bit that stays finite) passes that gate and, in one step, writes itself into every moment buffer:
+Adam's v remembers g² for ~1/(1-β₂) steps (a long, silent lr collapse), and a Muon momentum points along
+the spike for ~1/(1-μ) steps. Two published families of guards:
+
+* element-wise against the second moment (SPAM, arXiv 2501.06842: clip g where g² > θ·v) — needs v, so it
+  only fits the Adam path, and v = 0 at step 1;
+* a z-score / ratio on the norm (ZClip, AdaGC) — needs one scalar of history per tensor and fits every path.
+
+We use the norm ratio: with ``ema`` the running mean of this tensor's gradient norm, a gradient with
+‖g‖ > k·ema is rescaled to norm k·ema, and the EMA then takes k·ema (not the spike), so a genuine regime
+change is followed within a few steps (the EMA grows by β + (1-β)k per step) while a one-step spike moves
+nothing. NaN-safe by construction: a non-finite norm never triggers and never enters the EMA, and the
+rescale is a ``where``-selected factor (exactly 1.0 when not triggered, so a clean step is bit-identical).
+The default factor is chosen by ``python -m experiments spikes`` (RESULTS.md).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["spike_guard", "SPIKE_BETA"]
+
+SPIKE_BETA = 0.9
+
+
+def spike_guard(grads: list[torch.Tensor], ema: torch.Tensor, factor: float, *, beta: float = SPIKE_BETA
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Return (guarded gradients — new tensors, ``p.grad`` is never touched —, new EMA (n,), trigger (n,)).
+
+    ``ema`` holds one fp32 norm EMA per gradient, 0 meaning "not seeded yet" (the first finite norm seeds)."""
+    norms = torch.stack(torch._foreach_norm(grads)).float()
+    finite = torch.isfinite(norms)
+    seeded = ema > 0
+    cap = factor * ema
+    trigger = finite & seeded & (norms > cap)
+    scale = torch.where(trigger, cap / norms, torch.ones_like(norms))
+    observed = torch.where(trigger, cap, norms)
+    new_ema = torch.where(finite, torch.where(seeded, ema * beta + (1 - beta) * observed, norms), ema)
+    guarded = [g * s.to(g.dtype) for g, s in zip(grads, scale.unbind())]
+    return guarded, new_ema, trigger

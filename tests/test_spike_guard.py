@@ -1,0 +1,82 @@
+"""The finite-spike guard: rescales a gradient whose norm jumps above spike_factor × its running mean."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import nonans_optim as no
+from nonans_optim.functional.spike import spike_guard
+from optim_infos import loss_fn, make_batch, make_model, state_tensors, train_steps
+
+
+def test_guard_rescales_only_spikes_and_follows_a_regime_change():
+    g = [torch.ones(4), torch.ones(3)]
+    ema = torch.tensor([0.0, 1.0])
+    out, new_ema, trig = spike_guard(g, ema, 10.0)
+    assert torch.equal(out[0], g[0]) and new_ema[0] == 2.0  # first norm seeds
+    big = [torch.full((4,), 100.0), torch.full((3,), 1e6)]
+    out, new_ema2, trig = spike_guard(big, new_ema, 10.0)
+    assert trig.tolist() == [True, True]
+    cap = 10.0 * new_ema[1]
+    torch.testing.assert_close(torch.linalg.vector_norm(out[1]), cap)
+    torch.testing.assert_close(new_ema2[1], 0.9 * new_ema[1] + 0.1 * cap)  # the EMA takes the cap, not the spike
+    ema = new_ema2
+    for _ in range(12):  # a lasting 100x regime change is followed within a few steps
+        out, ema, trig = spike_guard([torch.ones(4), torch.full((3,), 100.0)], ema, 10.0)
+    assert not trig[1]
+
+
+def test_guard_is_nan_safe():
+    ema = torch.tensor([1.0, 1.0])
+    g = [torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf"), 1.0])]
+    out, new_ema, trig = spike_guard(g, ema, 10.0)
+    assert not trig.any() and torch.equal(new_ema, ema)
+    assert torch.isnan(out[0][0]) and torch.isinf(out[1][0])  # left to the resolution gate
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFNorMuon, no.SFAdamW])
+def test_spike_does_not_poison_the_moments(cls):
+    def run(factor):
+        model = make_model()
+        opt = cls(model.named_parameters(), lr=1e-2, spike_factor=factor)
+        train_steps(model, opt, 5)
+        opt.zero_grad()
+        loss_fn(model, make_batch(9)).backward()
+        model.fc2.bias.grad.mul_(1e6)
+        raw = model.fc2.bias.grad.clone()
+        opt.step()
+        assert torch.equal(model.fc2.bias.grad, raw), "p.grad must never be mutated"
+        return opt, model
+
+    guarded, model = run(10.0)
+    plain, _ = run(None)
+    v_guarded = guarded.state[model.fc2.bias]["exp_avg_sq"].max()
+    v_plain = [st["exp_avg_sq"].max() for p, st in plain.state.items()
+               if isinstance(p, torch.Tensor) and p.shape == model.fc2.bias.shape and "exp_avg_sq" in st]
+    assert v_guarded * 1e6 < max(v_plain)
+    events = [e for e in guarded.events if e.stage == "spike"]
+    assert [e.param for e in events] == ["fc2.bias"]
+    assert all(torch.isfinite(t).all() for t in state_tensors(guarded).values() if t.is_floating_point())
+
+
+def test_guard_state_survives_state_dict_and_clean_run_is_unchanged():
+    models = [make_model() for _ in range(2)]
+    opts = [no.AdamW(models[0].named_parameters(), spike_factor=50.0),
+            no.AdamW(models[1].named_parameters())]
+    for m, o in zip(models, opts):
+        train_steps(m, o, 10)
+    assert opts[0].metrics()["resolution/events_spike"] == 0.0
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)
+    clone = no.AdamW(make_model(seed=3).named_parameters(), spike_factor=50.0)
+    clone.load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    assert torch.equal(clone._get_resolution().tensors["grad_norm_ema"],
+                       opts[0]._get_resolution().tensors["grad_norm_ema"])
+    assert (opts[0]._get_resolution().tensors["grad_norm_ema"] > 0).all()
+
+
+def test_bad_spike_factor_is_named():
+    with pytest.raises(ValueError, match="spike_factor"):
+        no.AdamW(make_model().parameters(), spike_factor=0.5)
