@@ -20,7 +20,7 @@ import torch
 
 from ..resolution import finite_mask, inspect
 
-__all__ = ["adam_moments_loop", "adam_moments_foreach", "adam_direction", "gated_grad"]
+__all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad"]
 
 
 def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +74,29 @@ def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: f
         moment_counts.append(torch.stack((torch.zeros_like(gcnt[0]), (vn.numel() - torch.count_nonzero(ok)) - gcnt.sum())))
         torch.where(ok, vn, v, out=v)
     return g_counts, moment_counts
+
+
+def sf_moments(grads, exp_avg_sqs, *, beta2: float, repair: bool):
+    """Schedule-free AdamW has no first moment: returns (direction inputs, grad counts, moment counts).
+
+    The direction input is the gradient with missing entries set to 0 (they move nothing in z); v sees the
+    raw gradient, so a missing entry makes the new v non-finite there and the gate keeps the old v. One
+    detection pass per tensor (the Adam form would detect twice: for its m gate and for this one)."""
+    if not repair:
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        return list(grads), None, None
+    d_in, g_counts, m_counts = [], [], []
+    for g, v in zip(grads, exp_avg_sqs):
+        ok, counts = inspect(g)
+        d_in.append(torch.where(ok, g, torch.zeros_like(g)))
+        v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
+        v_ok = finite_mask(v_new)
+        m_counts.append(torch.stack((torch.zeros_like(counts[0]),
+                                     (v_new.numel() - torch.count_nonzero(v_ok)) - counts.sum())))
+        torch.where(v_ok, v_new, v, out=v)
+        g_counts.append(counts)
+    return d_in, g_counts, m_counts
 
 
 def adam_direction(m: torch.Tensor, v: torch.Tensor, step: int, beta1: float, beta2: float, eps: float,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop
+from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop, sf_moments
 from ..functional.schedule_free import sf_update_
 from ..resolution import finite_mask
 from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
@@ -56,12 +56,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
     moments = adam_moments_loop if impl == "loop" else adam_moments_foreach
     n = len(grads)
     if sf:
-        # No first moment (β₁ is the interpolation weight): the gradient is the direction input. Seeding
-        # the "moment" with the gated gradient (0 where missing) and running the moment update with β₁ = 0
-        # makes a missing entry move nothing in z while v keeps its previous value there.
-        m_list = ([torch.where(finite_mask(g), g, torch.zeros_like(g)) for g in grads] if repair
-                  else [g.clone() for g in grads])
-        g_counts, m_counts = moments(grads, m_list, v_list, beta1=0.0, beta2=beta2, repair=repair)
+        m_list, g_counts, m_counts = sf_moments(grads, v_list, beta2=beta2, repair=repair)
     else:
         m_list = [st["exp_avg"] for st in states]
         g_counts, m_counts = moments(grads, m_list, v_list, beta1=beta1, beta2=beta2, repair=repair)
