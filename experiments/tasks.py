@@ -63,12 +63,14 @@ VOCAB = len(_ALPHABET) + 1
 
 
 # --------------------------------------------------------------------------------------------- models
-class _Block(nn.Module):
-    def __init__(self, d: int, heads: int):
+class Block(nn.Module):
+    """Pre-LN transformer block (shared by the ablation tasks and the singularity benchmark)."""
+
+    def __init__(self, d: int, heads: int, *, bias: bool = True):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=bias), nn.Linear(d, d, bias=bias)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d, bias=bias), nn.Linear(4 * d, d, bias=bias)
         self.heads = heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,7 @@ class CharLM(nn.Module):
     def __init__(self, d: int = 64, layers: int = 2, heads: int = 4, context: int = 64):
         super().__init__()
         self.embed, self.pos_embed = nn.Embedding(VOCAB, d), nn.Embedding(context, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

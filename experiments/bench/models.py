@@ -12,6 +12,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from experiments.tasks import Block
 from torch import nn
 
 __all__ = ["MLP", "TinyLM", "char_corpus", "digits", "batch_rng"]
@@ -41,23 +43,6 @@ class MLP(nn.Module):
         return x
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class TinyLM(nn.Module):
     """A GPT-style character language model: token + position embeddings, pre-LN blocks, a head."""
 
@@ -65,7 +50,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos_embed = nn.Parameter(torch.randn(ctx, d) * 0.02)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, bias=False) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
