@@ -114,6 +114,8 @@ class NonansOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._resolution = None
         st = self.state.get("nonans")
+        if st is not None:
+            self._training = bool(st.get("train_mode", True))
         if st is not None:  # move optimizer-level tensors to the parameters' device
             device = self._all_params()[0].device
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
@@ -138,15 +140,22 @@ class NonansOptimizer(Optimizer):
             return self.eval()
         if not self._training:
             self._swap(to_train=True)
-        self._training = True
+        self._set_mode(True)
         return self
 
     def eval(self) -> "NonansOptimizer":
         """Schedule-free swap: parameters hold the averaged x (evaluate and checkpoint here)."""
         if self._training:
             self._swap(to_train=False)
-        self._training = False
+        self._set_mode(False)
         return self
+
+    def _set_mode(self, training: bool) -> None:
+        """Record the mode in the state too: a checkpoint taken after eval() holds x in the parameters, and
+        the optimizer that loads it must know that, or its train() would not swap back to y."""
+        self._training = training
+        if self._all_params():
+            self._global()["train_mode"] = training
 
     def _swap(self, *, to_train: bool) -> None:  # overridden by schedule-free optimizers
         return None

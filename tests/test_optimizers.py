@@ -232,3 +232,23 @@ def test_adamw_matches_torch_adamw_on_clean_steps():
     train_steps(models[1], ref, 10)
     for a, b in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("info", [i for i in INFOS if i.schedule_free], ids=lambda i: i.name)
+def test_checkpoint_taken_in_eval_mode_resumes_correctly(info):
+    """Save after eval() (params hold x), load into a fresh optimizer, train(): params must be y again."""
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    train_steps(model, opt, 4)
+    y = [p.detach().clone() for p in model.parameters()]
+    opt.eval()
+    ckpt_model, ckpt_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    fresh_model = make_model(seed=5)
+    fresh_model.load_state_dict(ckpt_model)
+    fresh = info.make(fresh_model.named_parameters())
+    fresh.load_state_dict(ckpt_opt)
+    with pytest.raises(RuntimeError, match="eval mode"):
+        fresh.step()
+    fresh.train()
+    for a, b in zip(y, fresh_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
