@@ -191,7 +191,8 @@ class NonansOptimizer(Optimizer):
             self._step_group(group, ctx)
             ctx["index"] += len(group["params"])
         if res is not None:
-            res.record_step(st["step"], self._assemble_counts(ctx["counts"], res.num_params))
+            res.record_step(st["step"], self._assemble_counts(ctx["counts"], res.num_params,
+                                                              res.tensors["scale"].device))
         return loss
 
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
@@ -247,14 +248,14 @@ class NonansOptimizer(Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def _assemble_counts(counts: dict[tuple[int, int], torch.Tensor], P: int) -> torch.Tensor:
+    def _assemble_counts(counts: dict[tuple[int, int], torch.Tensor], P: int,
+                         device: torch.device) -> torch.Tensor:
         """(P, S, 2) int64 from the sparse {(param, stage): [nan, inf]} of this step, in one stack."""
         from .resolution import STAGES
         S = len(STAGES)
-        some = next(iter(counts.values()), None)
-        if some is None:
-            return torch.zeros(P, S, 2, dtype=torch.int64)
-        zero = torch.zeros(2, dtype=torch.int64, device=some.device)
+        if not counts:
+            return torch.zeros(P, S, 2, dtype=torch.int64, device=device)
+        zero = torch.zeros(2, dtype=torch.int64, device=device)
         flat = [counts.get((p, s), zero) for p in range(P) for s in range(S)]
         return torch.stack(flat).view(P, S, 2)
 

@@ -107,8 +107,11 @@ class Fusion(NonansOptimizer):
             return
         l1 = torch.stack(torch._foreach_norm(grads, 1)).float()
         ok = torch.isfinite(l1)
-        numels = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(l1.device,
-                                                                               non_blocking=True)
+        sizes = tuple(g.numel() for g in grads)
+        numels = self._index_cache.get(("numels", sizes, str(l1.device)))
+        if numels is None:  # built once per gradient set: no host→device copy per step
+            numels = torch.tensor(sizes, dtype=torch.float32).to(l1.device, non_blocking=True)
+            self._index_cache[("numels", sizes, str(l1.device))] = numels
         l1_sum = torch.where(ok, l1, torch.zeros_like(l1)).sum()
         count = torch.where(ok, numels, torch.zeros_like(numels)).sum()
         mult, loss_bad = update_polyak(self._global()["polyak"], ctx["loss"], l1_sum, count)
