@@ -33,8 +33,11 @@ def sf_update_(y: torch.Tensor, z: torch.Tensor, d: torch.Tensor, gamma: torch.T
     expands to (1-c) y_t + c z_t - (1 - β + βc) γ d, i.e. lerp(y, z, c) + γ(β(1-c) - 1) d."""
     if weight_decay != 0:
         d = d.add(z, alpha=weight_decay)
-    y_new = y.lerp(z, c).add_(d * (gamma * (beta * (1 - c) - 1)))
-    z_new = z.sub(d * gamma)
+    if not isinstance(gamma, torch.Tensor):
+        gamma = torch.tensor(gamma, dtype=torch.float32)
+    # addcmul with the 0-d step size: one pass each instead of a multiply and an add.
+    y_new = torch.addcmul(y.lerp(z, c), d, (gamma * (beta * (1 - c) - 1)).to(y.dtype))
+    z_new = torch.addcmul(z, d, (-gamma).to(z.dtype))
     return y_new, z_new
 
 
