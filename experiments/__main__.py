@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ablation": ("experiments.ablation", "case-study ablation on two offline tasks (issue 6)"),
     "questions": ("experiments.questions", "FusionOpt's open questions, one experiment each (issue 6)"),
     "watch-overhead": ("experiments.watch_overhead", "overhead of nonans_optim.watch() on CPU models"),
+    "spikes": ("experiments.spikes", "finite gradient spikes: the spike_factor guard measured (issue 3)"),
     "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),
 }
 

@@ -46,11 +46,12 @@ class AdamW(_ScalarOnly):
     Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
     ``impl`` is ``"foreach"`` (default) or ``"loop"`` (the readable ground truth); ``warmup_steps`` ramps
     the lr linearly over the first steps (0: off); ``spike_factor`` rescales a finite gradient whose norm
-    exceeds that multiple of its running mean (None: off; see :mod:`nonans_optim.functional.spike`)."""
+    exceeds that multiple of its running mean (default 10, chosen by ``python -m experiments spikes``;
+    None: off; see :mod:`nonans_optim.functional.spike`)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = None):
+                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0):
         check_betas("betas", betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=int(warmup_steps))
@@ -69,7 +70,7 @@ class SFAdamW(_ScalarOnly):
 
     def __init__(self, params, lr: float = 2.5e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = None):
+                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0):
         check_betas("betas", betas)
         if betas[0] <= 0:
             raise ValueError(f"Invalid betas[0]: {betas[0]} (the schedule-free interpolation weight must be > 0:"

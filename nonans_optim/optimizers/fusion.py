@@ -47,7 +47,8 @@ class Fusion(NonansOptimizer):
         polyak: use the Polyak multiplier once set_loss() has been called.
         resolution: "repair" (default), "skip" or "off".
         spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
-            (None: off; :mod:`nonans_optim.functional.spike`).
+            (default 10, chosen by ``python -m experiments spikes``; None: off;
+            :mod:`nonans_optim.functional.spike`).
         impl: "foreach" (batched NS5 per shape, default) or "loop" (ground truth).
     """
 
@@ -57,7 +58,7 @@ class Fusion(NonansOptimizer):
                  normuon_eps: float = 1e-8, mona_alpha: float = 0.1, mona_beta: float = 0.9,
                  shampoo_beta: float = 0.95, shampoo_refresh_every: int = 10, ns_steps: int = 5,
                  ns5_dtype: str = "auto", warmup_steps: int = 0, polyak: bool = True,
-                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = None):
+                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0):
         comps = frozenset(components)
         unknown = sorted(comps - COMPONENTS)
         if unknown or isinstance(components, str):
