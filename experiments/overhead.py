@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -28,7 +27,8 @@ import torch
 
 import nonans_optim as no
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
-from experiments.step_time import ROOT, interleaved, machine_info, sync, write_marked_section
+from experiments.questions_io import publish
+from experiments.step_time import ROOT, interleaved, machine_info
 
 LR = 1e-3
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -179,12 +179,5 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (2 if args.quick else 15)
     args.warmup = args.warmup or (2 if args.quick else 3)
     data = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2))
-    text = render(data)
-    print(text)
-    if args.results_md:
-        write_marked_section(Path(args.results_md), "overhead", "Resolution overhead on clean steps (issue 3)",
-                             text)
+    publish(data, Path(args.out), render(data), args.results_md, "overhead", "Resolution overhead on clean steps (issue 3)")
     return 0

@@ -94,6 +94,16 @@ def replace_section(path: Path, name: str, body: str, *, title: str | None = Non
     path.write_text(text)
 
 
+def publish(data: dict[str, Any], out: Path, text: str, results_md: str, key: str, title: str) -> None:
+    """Write a benchmark's JSON, print its rendered table and (unless ``results_md`` is '') put the table
+    into that file's ``key`` section — the one path from a command's output to RESULTS.md."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    print(text)
+    if results_md:
+        replace_section(Path(results_md), key, text, title=title)
+
+
 def fmt(x: Any, digits: int = 3) -> str:
     if x is None:
         return "—"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from experiments.questions_io import publish
 
 import nonans_optim as no
 from experiments._models import (DEFAULT, QUICK, build_gpt, count_params, hidden_matrices, ns5_flops,
@@ -79,12 +80,6 @@ def interleaved(arms: dict[str, Callable[[], Any]], *, rounds: int, warmup: int,
             sync(device)
             times[name].append((time.perf_counter() - t0) / inner)
     return times
-
-
-def write_marked_section(path: Path, key: str, heading: str, body: str) -> None:
-    """The one marker writer of the experiments (``questions_io.replace_section``), under its old name."""
-    from experiments.questions_io import replace_section
-    replace_section(path, key, body, title=heading)
 
 
 def state_bytes(opts: list[torch.optim.Optimizer], params: set[int]) -> tuple[int, int]:
@@ -318,11 +313,5 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (2 if args.quick else 15)
     args.warmup = args.warmup or (2 if args.quick else 5)
     data = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2))
-    text = render(data)
-    print(text)
-    if args.results_md:
-        write_marked_section(Path(args.results_md), "step-time", "Optimizer step time (issue 2)", text)
+    publish(data, Path(args.out), render(data), args.results_md, "step-time", "Optimizer step time (issue 2)")
     return 0
