@@ -154,7 +154,7 @@ def write_markdown(out: Path = OUT) -> None:
     pol = read_json(out / "q5.json")
     if pol is not None:
         body = ("Command: `python -m experiments questions polyak` (JSON `results/questions/q5.json`, plot "
-                f"`results/questions/q5.png`).\n\n" + render_polyak(pol) + "\n\n" + V.v_q5(pol))
+                "`results/questions/q5.png`).\n\n" + render_polyak(pol) + "\n\n" + V.v_q5(pol))
         replace_section(ROOT / "RESULTS.md", "polyak", body, title="Polyak instrumentation (issue 6)")
 
 
