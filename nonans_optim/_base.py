@@ -1,6 +1,6 @@
 """The shared Optimizer shell: validation, lazy state, the global step, train()/eval(), set_loss(),
 metrics(), events and the resolution bookkeeping. No algorithm math lives here (see ``functional/`` and
-``optimizers/_paths.py``).
+``optimizers/_scalar.py`` and ``optimizers/_spectral.py``).
 
 Optimizer-level state lives under the non-parameter key ``"nonans"`` of ``self.state`` so that torch's own
 ``state_dict()`` / ``load_state_dict()`` carry it (they pass non-tensor keys through unchanged): the global
@@ -15,7 +15,8 @@ import torch
 from torch.optim import Optimizer
 
 from .functional.polyak import init_polyak
-from .resolution import Resolution, SingularityEvent, check_policy
+from .functional.schedule_free import sf_weight
+from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
 
 __all__ = ["NonansOptimizer"]
 
@@ -31,6 +32,12 @@ def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.
     if value < low or value > high or (high_open and value >= high):
         bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
         raise ValueError(f"Invalid {name}: {value!r} (must be in {bound})")
+
+
+def _warmup(group: dict[str, Any], step: int) -> float:
+    """Linear warmup factor min(1, t / warmup_steps) of a group (1 without warmup)."""
+    warm = group.get("warmup_steps", 0)
+    return min(1.0, step / warm) if warm > 0 else 1.0
 
 
 def check_betas(name: str, betas: Iterable[float]) -> None:
@@ -114,9 +121,8 @@ class NonansOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._resolution = None
         st = self.state.get("nonans")
-        if st is not None:
+        if st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
             self._training = bool(st.get("train_mode", True))
-        if st is not None:  # move optimizer-level tensors to the parameters' device
             device = self._all_params()[0].device
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
@@ -203,7 +209,6 @@ class NonansOptimizer(Optimizer):
         if self.spike_factor is None or res is None or not found:
             return found
         from .functional.spike import spike_guard
-        from .resolution import STAGE_INDEX
         js = list(found)
         idx = [ctx["index"] + j for j in js]
         key = (tuple(idx), str(res.tensors["grad_norm_ema"].device))
@@ -231,14 +236,10 @@ class NonansOptimizer(Optimizer):
 
         lr_t = lr · min(1, t / warmup_steps) is host arithmetic on the scheduled lr; the Polyak multiplier
         (when active) is a device tensor, so γ never needs a sync. c follows SF-NorMuon: η_t² / Σ η_k²."""
-        t = ctx["step"]
-        warm = group.get("warmup_steps", 0)
-        lr_t = float(group["lr"]) * (min(1.0, t / warm) if warm > 0 else 1.0)
+        lr_t = float(group["lr"]) * _warmup(group, ctx["step"])
         c = 0.0
         if "sf_weight_sum" in group:
-            weight_sum = group["sf_weight_sum"] + lr_t ** 2
-            c = lr_t ** 2 / weight_sum if weight_sum > 0 else 0.0
-            group["sf_weight_sum"] = weight_sum
+            c, group["sf_weight_sum"] = sf_weight(lr_t, group["sf_weight_sum"])
         gamma = torch.full((), lr_t, dtype=torch.float32, device=ctx["unit_scale"].device)
         if ctx["gamma_mult"] is not None:
             gamma = gamma * ctx["gamma_mult"]
@@ -251,7 +252,6 @@ class NonansOptimizer(Optimizer):
     def _assemble_counts(counts: dict[tuple[int, int], torch.Tensor], P: int,
                          device: torch.device) -> torch.Tensor:
         """(P, S, 2) int64 from the sparse {(param, stage): [nan, inf]} of this step, in one stack."""
-        from .resolution import STAGES
         S = len(STAGES)
         if not counts:
             return torch.zeros(P, S, 2, dtype=torch.int64, device=device)
@@ -278,7 +278,8 @@ class NonansOptimizer(Optimizer):
             out["fusion/gnorm_ema"] = float(pol["gnorm_ema"]) if pol is not None else 0.0
             mult = float(pol["gamma_mult"]) if pol is not None else 1.0
             out["fusion/gamma_mult"] = mult
-            out["fusion/gamma_curr"] = mult * float(self.param_groups[0]["lr"])
+            g0 = self.param_groups[0]
+            out["fusion/gamma_curr"] = mult * float(g0["lr"]) * (_warmup(g0, st["step"]) if st else 1.0)
         if self.resolution_policy != "off":
             if st is not None:
                 out.update(self._get_resolution().summary())

@@ -23,8 +23,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "count_nonfinite",
-           "finite_mask", "inspect", "tensor_counts", "keep_finite", "check_policy"]
+__all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "finite_mask", "inspect",
+           "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")
 
@@ -52,12 +52,6 @@ def finite_mask(x: torch.Tensor) -> torch.Tensor:
     return x.abs() < float("inf")
 
 
-def count_nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """int64 tensor [nan_count, inf_count] of ``x``, on x's device (no sync)."""
-    a = x.abs()
-    return torch.stack((torch.count_nonzero(a != a), torch.count_nonzero(a == float("inf"))))
-
-
 def inspect(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(finite mask, int64 [nan_count, inf_count]) of ``x`` from one shared ``abs`` pass: the detection
     the gates need and the counts the telemetry needs, in three elementwise passes and two reductions."""
@@ -75,11 +69,6 @@ def tensor_counts(total: torch.Tensor) -> torch.Tensor:
     Used where an entry count would cost passes over data that is almost never bad (the NS5/NorMuon
     output: RMS 0.2, so its sum cannot overflow and is non-finite iff some entry is)."""
     return torch.stack((torch.isnan(total), torch.isinf(total))).to(torch.int64)
-
-
-def keep_finite(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` where it is finite, ``old`` elsewhere: the last line of defence for any state or param."""
-    return torch.where(finite_mask(new), new, old)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,17 +29,22 @@ def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, t
     return torch.where(ok, g, fallback), counts
 
 
+def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Tensor) -> torch.Tensor:
+    """Write ``v_new`` into ``v`` where finite (keep the old v elsewhere) and return the moment-stage
+    counts [0, overflow]: entries whose new v is non-finite although the gradient was finite (g² > fp32 max)."""
+    v_ok = finite_mask(v_new)
+    overflow = (v_new.numel() - torch.count_nonzero(v_ok)) - g_counts.sum()
+    torch.where(v_ok, v_new, v, out=v)
+    return torch.stack((torch.zeros_like(overflow), overflow))
+
+
 def _moments_one(g, m, v, beta1, beta2, repair):
     """Update m, v in place for one tensor; returns [nan, inf] counts of g and of the v overflow."""
     if repair:
         g_in, g_counts = gated_grad(g, m)
         m.lerp_(g_in, 1 - beta1)
         v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        v_ok = finite_mask(v_new)
-        moment_counts = torch.stack((torch.zeros_like(g_counts[0]),
-                                     (v_new.numel() - torch.count_nonzero(v_ok)) - g_counts.sum()))
-        torch.where(v_ok, v_new, v, out=v)
-        return g_counts, moment_counts
+        return g_counts, _gate_second_moment(v, v_new, g_counts)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     return None, None
@@ -68,11 +73,7 @@ def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: f
     torch._foreach_lerp_(exp_avgs, g_in, 1 - beta1)
     v_new = torch._foreach_mul(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(v_new, grads, grads, value=1 - beta2)
-    moment_counts = []
-    for v, vn, gcnt in zip(exp_avg_sqs, v_new, g_counts):
-        ok = finite_mask(vn)
-        moment_counts.append(torch.stack((torch.zeros_like(gcnt[0]), (vn.numel() - torch.count_nonzero(ok)) - gcnt.sum())))
-        torch.where(ok, vn, v, out=v)
+    moment_counts = [_gate_second_moment(v, vn, gc) for v, vn, gc in zip(exp_avg_sqs, v_new, g_counts)]
     return g_counts, moment_counts
 
 
@@ -91,10 +92,7 @@ def sf_moments(grads, exp_avg_sqs, *, beta2: float, repair: bool):
         ok, counts = inspect(g)
         d_in.append(torch.where(ok, g, torch.zeros_like(g)))
         v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        v_ok = finite_mask(v_new)
-        m_counts.append(torch.stack((torch.zeros_like(counts[0]),
-                                     (v_new.numel() - torch.count_nonzero(v_ok)) - counts.sum())))
-        torch.where(v_ok, v_new, v, out=v)
+        m_counts.append(_gate_second_moment(v, v_new, counts))
         g_counts.append(counts)
     return d_in, g_counts, m_counts
 

@@ -30,22 +30,26 @@ def hold_flag(ctx: dict[str, Any], index: int, grad_counts: torch.Tensor, numel:
     return ctx["recent"][index] & (grad_counts.sum() == numel)
 
 
+def _guarded_write(dst: torch.Tensor, new: torch.Tensor, hold: torch.Tensor | None) -> torch.Tensor:
+    """dst ← new where finite and not held — one select straight into dst; returns the [nan, inf] counts
+    of what was written (a held tensor writes nothing, so it counts nothing)."""
+    ok, counts = inspect(new)
+    if hold is not None:  # a 0-d flag folded into the bool mask, not a second full-size select
+        ok &= ~hold
+        counts = torch.where(hold, torch.zeros_like(counts), counts)
+    torch.where(ok, new, dst, out=dst)
+    return counts
+
+
 def commit_update(p: torch.Tensor, st: dict, y_new: torch.Tensor, z_new: torch.Tensor | None,
                   ctx: dict[str, Any], index: int, repair: bool, hold: torch.Tensor | None = None) -> None:
     """Write the new parameter (and schedule-free z), keeping the old value wherever the new one is not
     finite — the last line of the invariant, for overflow that no earlier gate could see — and everywhere
     when ``hold`` (see :func:`hold_flag`) is set."""
     if repair:
-        if hold is not None:  # a select, so a held step is bit-exactly the old parameter
-            y_new = torch.where(hold, p, y_new)
-            if z_new is not None:
-                z_new = torch.where(hold, st["z"], z_new)
-        ok, counts = inspect(y_new)
-        torch.where(ok, y_new, p, out=p)  # a select straight into p: no extra copy pass
+        counts = _guarded_write(p, y_new, hold)
         if z_new is not None:
-            ok_z, counts_z = inspect(z_new)
-            torch.where(ok_z, z_new, st["z"], out=st["z"])
-            counts = counts + counts_z
+            counts = counts + _guarded_write(st["z"], z_new, hold)
         record(ctx, index, "update", counts)
         return
     p.copy_(y_new)
@@ -56,6 +60,6 @@ def commit_update(p: torch.Tensor, st: dict, y_new: torch.Tensor, z_new: torch.T
 def restore_if_bad(p: torch.Tensor, st: dict, snap: tuple, ok: torch.Tensor) -> None:
     """Select the snapshot for the whole tensor when ``ok`` (0-d bool) is False — a select, never 0·x."""
     p_old, st_old = snap
-    p.copy_(torch.where(ok, p, p_old))
+    torch.where(ok, p, p_old, out=p)
     for k, old in st_old.items():
-        st[k].copy_(torch.where(ok, st[k], old))
+        torch.where(ok, st[k], old, out=st[k])

@@ -18,7 +18,7 @@ import torch
 from .._base import NonansOptimizer, check_betas, _check_float
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
-from ..resolution import STAGE_INDEX, count_nonfinite
+from ..resolution import STAGE_INDEX, inspect
 from ..routing import route
 from ._scalar import scalar_init_state, scalar_update
 from ._spectral import spectral_init_state, spectral_update
@@ -118,7 +118,7 @@ class Fusion(NonansOptimizer):
         mult, loss_bad = update_polyak(self._global()["polyak"], ctx["loss"], l1_sum, count)
         ctx["gamma_mult"] = mult
         if ctx["resolution"] is not None and ctx["loss"] is not None:
-            counts = count_nonfinite(ctx["loss"].to(l1.device).reshape(1))
+            _, counts = inspect(ctx["loss"].to(l1.device).reshape(1))
             ctx["counts"][(0, STAGE_INDEX["loss"])] = counts
 
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
@@ -153,14 +153,6 @@ class Fusion(NonansOptimizer):
                 if z is not None:
                     beta = group["sf_beta"] if "momentum_buffer" in self.state[p] else group["betas"][0]
                     (to_y_ if to_train else to_x_)(p, z, beta)
-
-    def metrics(self) -> dict[str, float]:
-        out = super().metrics()
-        if self._uses_polyak and "nonans" in self.state:
-            g = self.param_groups[0]
-            t, warm = self.state["nonans"]["step"], g.get("warmup_steps", 0)
-            out["fusion/gamma_curr"] *= min(1.0, t / warm) if warm > 0 else 1.0
-        return out
 
 
 class SFNorMuon(Fusion):
