@@ -9,6 +9,15 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/optim_infos.py
 os.environ.setdefault("NONANS_WANDB", "0")
 
 
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread (experiment smoke tests: less noise, no oversubscription)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

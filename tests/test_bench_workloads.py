@@ -20,12 +20,7 @@ from experiments.bench.report import compare, render_markdown, write_results_sec
 from experiments.bench.workloads import WORKLOADS
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("key", list(WORKLOADS))

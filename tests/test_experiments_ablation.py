@@ -18,12 +18,7 @@ from experiments.questions_polyak import RelativePolyak, run_polyak
 from experiments.tasks import OPTIMIZERS, load_corpus
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_corpus_is_deterministic():

@@ -13,12 +13,7 @@ from experiments import spikes
 CHOSEN = 10.0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_spike_steps_are_fixed_by_the_seed_and_inside_the_run():

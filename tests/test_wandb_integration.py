@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 import nonans_optim as no
 from optim_infos import make_model, train_steps

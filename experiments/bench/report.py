@@ -6,11 +6,11 @@ Nothing here is typed by hand: :func:`compare` derives the per-workload comparis
 from __future__ import annotations
 
 import math
-import os
+from pathlib import Path
 
-__all__ = ["compare", "render_markdown", "write_results_section", "plot", "BEGIN", "END"]
+from experiments.questions_io import replace_section
 
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+__all__ = ["compare", "render_markdown", "write_results_section", "plot"]
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -97,16 +97,8 @@ def render_markdown(results: dict) -> str:
 
 
 def write_results_section(markdown: str, path: str) -> None:
-    """Replace the text between the bench markers of ``path`` (created if missing, markers appended)."""
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Results\n"
-    block = f"{BEGIN}\n{markdown}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Replace the text between the bench markers of ``path`` (the experiments' one marker writer)."""
+    replace_section(Path(path), "bench", markdown)
 
 
 def plot(key: str, title: str, arms: dict[str, dict], path: str) -> None:
