@@ -35,15 +35,11 @@ from typing import Any
 
 import torch
 
+from ..resolution import finite_mask  # |x| < inf: one vectorised compare once compiled
+
 __all__ = ["compiled_scalar_update", "compile_available"]
 
 _BROKEN: list[str] = []  # the first compile failure of this process, if any
-
-
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """isfinite as |x| < inf: one vectorised compare in the generated C++ (NaN compares false), where
-    ``torch.isfinite`` lowers to x == x, |x| != inf and an and."""
-    return x.abs() < float("inf")
 
 
 def _count(mask: torch.Tensor) -> torch.Tensor:
@@ -58,7 +54,7 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 def _nonfinite_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(nan count, all non-finite count) of x. ``x != x`` rather than ``isnan``: inductor's CPU backend
     vectorises the compare but runs ``isnan`` element by element; both reductions share one loop."""
-    return _count(x != x), _count(~_finite(x))
+    return _count(x != x), _count(~finite_mask(x))
 
 
 def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z: bool, recent=None):
@@ -69,7 +65,7 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
     one_m_b1, b2, one_m_b2, eps, wd = hp[0], hp[1], hp[2], hp[3], hp[4]
     gate = policy != "off"
     zero = torch.zeros((), dtype=torch.int64, device=p.device)
-    g_ok = _finite(g)
+    g_ok = finite_mask(g)
     g_nan, g_bad = _nonfinite_counts(g)
     # v sees the raw gradient: a non-finite entry makes v_new non-finite there, and the gate below keeps
     # the previous v (missing observation). g·g with (1-β₂) first: addcmul's association, (w·g)·g.
@@ -82,7 +78,7 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
         g_in = torch.where(g_ok, g, m) if gate else g  # lerp(m, m, w) = m: m keeps its value there
         m_new = torch.lerp(m, g_in, one_m_b1)
     if gate:
-        v_ok = _finite(v_new)
+        v_ok = finite_mask(v_new)
         overflow = _count(~v_ok) - g_bad  # v non-finite with a finite gradient: g² overflowed fp32
         v_new = torch.where(v_ok, v_new, v)
     denom = torch.sqrt(v_new / bc2) + eps
@@ -104,11 +100,11 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
             if z_new is not None:
                 z_new = torch.where(hold, z, z_new)
         u_nan, u_bad = _nonfinite_counts(y_new)
-        y_new = torch.where(_finite(y_new), y_new, p)
+        y_new = torch.where(finite_mask(y_new), y_new, p)
         if z_new is not None:
             zn, zb = _nonfinite_counts(z_new)
             u_nan, u_bad = u_nan + zn, u_bad + zb
-            z_new = torch.where(_finite(z_new), z_new, z)
+            z_new = torch.where(finite_mask(z_new), z_new, z)
         counts = torch.stack((torch.stack((g_nan, g_bad - g_nan)), torch.stack((zero, overflow)),
                               torch.stack((u_nan, u_bad - u_nan))))
     if policy == "skip":  # GradScaler semantics per tensor: keep everything when any entry was bad
