@@ -24,6 +24,12 @@ Backends: ``"torch"`` (this file, the reference and the test oracle of every ker
 (``nonans_optim.kernels``, CUDA only), ``"auto"`` (Triton on CUDA for matrices whose short side is at least
 ``NONANS_NS5_TRITON_MIN_DIM`` — the crossover measured by ``python -m experiments kernels`` — torch
 otherwise, and torch everywhere until that crossover is set). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
+
+Methods: ``"standard"`` (the iteration above), ``"gram"`` (``nonans_optim.ns5_gram``: the same polynomial
+iterated on the s×s Gram matrix, with a restart every two steps; fewer FLOPs for wide matrices), ``"auto"``
+(Gram on the torch backend where the long/short side ratio is at least ``GRAM_MIN_ASPECT``, measured by
+``python -m experiments.ns5_method``; standard otherwise and always on Triton). ``NONANS_NS5_METHOD``
+overrides ``"auto"``.
 """
 from __future__ import annotations
 
@@ -34,7 +40,9 @@ from typing import Sequence
 import torch
 from einops import rearrange
 
-__all__ = ["ns5", "hot_dtype", "normalise", "iterate_reference", "KELLER_COEFFICIENTS"]
+from nonans_optim.ns5_gram import iterate_gram
+
+__all__ = ["ns5", "hot_dtype", "normalise", "iterate", "iterate_reference", "KELLER_COEFFICIENTS", "GRAM_MIN_ASPECT"]
 
 KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
@@ -47,6 +55,15 @@ _EPS = 1e-30
 # arithmetic. With ‖X‖₂ ≤ 1, |(A')²| ≤ 2.1·s⁴, so s = 8 keeps c'·(A')² far below 65504 while lifting
 # the smallest entries of X three binary orders away from fp16's subnormal floor.
 _FP16_SAFE_SCALE = 8.0
+
+# method="auto" takes the Gram iteration on the torch backend when long side / short side >= this.
+# Measured by `python -m experiments.ns5_method` (results/ns5_method.json; bf16, 2 threads, a shared
+# 2-core AMD EPYC with AVX512-BF16, iteration only, same-round ratios gram/standard over three clean runs):
+# l/s = 4: 0.80-0.88, l/s = 3: 0.85-0.93, l/s = 2: 0.90-1.02 (batch-1 256×512 lost or broke even), l/s = 1.5:
+# 1.02-1.09, square: 1.17-1.23. FLOPs predict the crossover at 1.5 (ns5_gram.gram_flops); 3 is the
+# smallest measured ratio at which Gram won on every shape, batch 1 and 4.
+GRAM_MIN_ASPECT = 3.0
+_METHODS = ("auto", "standard", "gram")
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,6 +150,39 @@ def _resolve_backend(backend: str, device: torch.device, shape: tuple[int, ...])
     return backend
 
 
+def _check_method(method: str, requested_backend: str) -> None:
+    if method not in _METHODS:
+        raise ValueError(f"method must be 'auto', 'standard' or 'gram', got {method!r}")
+    if method == "gram" and requested_backend == "triton":
+        raise ValueError("method='gram' has no Triton kernel: use backend='torch' or 'auto'")
+
+
+def _resolve_method(method: str, requested_backend: str, backend: str, shape: tuple[int, ...]) -> str:
+    """"standard" or "gram". An explicit ``method="gram"`` runs the torch Gram iteration (there is no Gram
+    kernel), so it conflicts only with an explicit ``backend="triton"``; ``"auto"`` (and the env var,
+    which only overrides ``"auto"``) never leaves the Triton kernel."""
+    _check_method(method, requested_backend)
+    if method == "auto":
+        method = os.environ.get("NONANS_NS5_METHOD", "auto")
+        if method not in _METHODS:
+            raise ValueError(f"NONANS_NS5_METHOD must be 'auto', 'standard' or 'gram', got {method!r}")
+        if backend == "triton":
+            return "standard"
+    if method == "auto":
+        s, l = min(shape), max(shape)
+        return "gram" if s > 0 and l >= GRAM_MIN_ASPECT * s else "standard"
+    return method
+
+
+def iterate(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *, method: str = "auto"
+            ) -> torch.Tensor:
+    """The torch iteration on a normalised wide batch X (B, s, l) already in the hot dtype, with the method
+    chosen as :func:`ns5` would on the torch backend — for callers that normalise X themselves (the
+    compiled spectral path fuses the normalisation into the pass that produces the momentum)."""
+    method = _resolve_method(method, "torch", "torch", tuple(X.shape[-2:]))
+    return iterate_gram(X, coefficients) if method == "gram" else iterate_reference(X, coefficients)
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_ns5():
     try:
@@ -149,6 +199,7 @@ def ns5(
     dtype: str | torch.dtype | None = None,
     coefficients: Sequence[tuple[float, float, float]] | None = None,
     backend: str = "auto",
+    method: str = "auto",
 ) -> torch.Tensor:
     """Orthogonalise ``G`` (shape (..., m, n)) by ``steps`` Newton-Schulz quintic iterations.
 
@@ -160,6 +211,8 @@ def ns5(
             away from the subnormal floor), or a ``torch.dtype``.
         coefficients: per-step (a, b, c); default Keller's coefficients repeated ``steps`` times.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        method: ``"auto"``, ``"standard"`` or ``"gram"`` (module docstring; ``NONANS_NS5_METHOD``
+            overrides ``"auto"``). Both keep every guarantee below.
 
     Returns:
         A tensor of ``G``'s shape and dtype. Finite for every finite input; exactly zero for a zero input.
@@ -174,7 +227,12 @@ def ns5(
         coefficients = [KELLER_COEFFICIENTS] * steps
     requested = "auto" if dtype is None else dtype
     hot = hot_dtype(G.device, requested)
+    requested_backend = backend
+    _check_method(method, requested_backend)  # before the backend: its CUDA check would mask this error
     backend = _resolve_backend(backend, G.device, tuple(G.shape[-2:]))
+    method = _resolve_method(method, requested_backend, backend, tuple(G.shape[-2:]))
+    if method == "gram":
+        backend = "torch"
 
     batch_shape = G.shape[:-2]
     X = rearrange(normalise(G), "... m n -> (...) m n")
@@ -192,6 +250,8 @@ def ns5(
         if fn is None:
             raise RuntimeError("backend='triton' requested but nonans_optim.kernels could not be imported")
         X = fn(X, list(coefficients))
+    elif method == "gram":
+        X = iterate_gram(X, coefficients)
     else:
         X = iterate_reference(X, coefficients)
     X = X.float()
