@@ -189,7 +189,9 @@ class NonansOptimizer(Optimizer):
         st["step"] += 1
         res = self._get_resolution() if self.resolution_policy != "off" else None
         ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
-               "index": 0}
+               "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
+               "guard_in_kernel": False,
+               "spike_factor": self.spike_factor if res is not None else None}
         self._pending_loss = None
         ctx["recent"] = res.recent() if res is not None else None
         self._before_groups(ctx)
@@ -197,33 +199,51 @@ class NonansOptimizer(Optimizer):
             self._step_group(group, ctx)
             ctx["index"] += len(group["params"])
         if res is not None:
-            res.record_step(st["step"], self._assemble_counts(ctx["counts"], res.num_params,
+            res.record_step(st["step"], self._assemble_counts(ctx, res.num_params,
                                                               res.tensors["scale"].device))
         return loss
 
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
         """{position in group: gradient to use} for the parameters with a gradient — after the spike guard
-        (:mod:`nonans_optim.functional.spike`) when ``spike_factor`` is set and resolution is on."""
+        (:mod:`nonans_optim.functional.spike`) when ``spike_factor`` is set and resolution is on, unless the
+        compiled implementation applies the guard inside its kernel (``ctx["spike_factor"]`` tells it)."""
         found = {j: p.grad for j, p in enumerate(group["params"]) if p.grad is not None}
-        res = ctx["resolution"]
-        if self.spike_factor is None or res is None or not found:
+        ctx["guard_in_kernel"] = ctx["spike_factor"] is not None and self._guard_in_kernel()
+        if ctx["spike_factor"] is None or not found or ctx["guard_in_kernel"]:
             return found
-        from .functional.spike import spike_guard
         js = list(found)
-        idx = [ctx["index"] + j for j in js]
-        key = (tuple(idx), str(res.tensors["grad_norm_ema"].device))
-        sel = self._index_cache.get(key)
-        if sel is None:  # built once per parameter set, so the host→device copy is not per step
-            sel = torch.tensor(idx, dtype=torch.int64).to(res.tensors["grad_norm_ema"].device, non_blocking=True)
-            self._index_cache[key] = sel
+        guarded = self._guard(list(found.values()), [ctx["index"] + j for j in js], ctx)
+        return dict(zip(js, guarded))
+
+    def _guard_in_kernel(self) -> bool:
+        """True when impl="compiled" can run: its kernels apply the spike guard themselves."""
+        if self.impl != "compiled":
+            return False
+        from .optimizers._compiled import compile_available
+        return compile_available()
+
+    def _guard(self, grads: list[torch.Tensor], idx: list[int], ctx: dict[str, Any]) -> list[torch.Tensor]:
+        """The eager spike guard on ``grads`` (global parameter indices ``idx``): updates the norm EMAs and
+        this step's spike counts; returns new gradient tensors (``p.grad`` is never touched)."""
+        from .functional.spike import spike_guard
+        res = ctx["resolution"]
         ema = res.tensors["grad_norm_ema"]
-        guarded, new_ema, trigger = spike_guard(list(found.values()), ema.index_select(0, sel),
-                                                self.spike_factor)
+        sel = self._device_indices(idx, ema.device)
+        guarded, new_ema, trigger = spike_guard(grads, ema.index_select(0, sel), ctx["spike_factor"])
         ema.index_copy_(0, sel, new_ema)
         flags = trigger.to(torch.int64)
         for i, f in zip(idx, flags.unbind()):
             ctx["counts"][(i, STAGE_INDEX["spike"])] = torch.stack((torch.zeros_like(f), f))
-        return dict(zip(js, guarded))
+        return guarded
+
+    def _device_indices(self, idx: list[int], device: torch.device) -> torch.Tensor:
+        """int64 tensor of ``idx`` on ``device``, built once per index set (no host→device copy per step)."""
+        key = (tuple(idx), str(device))
+        sel = self._index_cache.get(key)
+        if sel is None:
+            sel = torch.tensor(idx, dtype=torch.int64).to(device, non_blocking=True)
+            self._index_cache[key] = sel
+        return sel
 
     def _before_groups(self, ctx: dict[str, Any]) -> None:
         """Optimizer-wide quantities computed once per step (subclasses add the Polyak multiplier)."""
@@ -249,15 +269,16 @@ class NonansOptimizer(Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def _assemble_counts(counts: dict[tuple[int, int], torch.Tensor], P: int,
-                         device: torch.device) -> torch.Tensor:
-        """(P, S, 2) int64 from the sparse {(param, stage): [nan, inf]} of this step, in one stack."""
+    def _assemble_counts(ctx: dict[str, Any], P: int, device: torch.device) -> torch.Tensor:
+        """(P, S, 2) int64 counts of this step: the sparse {(param, stage): [nan, inf]} the eager paths
+        recorded, in one stack, plus the dense block the compiled kernels accumulated (``ctx["dense"]``)."""
+        counts, dense = ctx["counts"], ctx["dense"]
         S = len(STAGES)
         if not counts:
-            return torch.zeros(P, S, 2, dtype=torch.int64, device=device)
+            return dense if dense is not None else torch.zeros(P, S, 2, dtype=torch.int64, device=device)
         zero = torch.zeros(2, dtype=torch.int64, device=device)
-        flat = [counts.get((p, s), zero) for p in range(P) for s in range(S)]
-        return torch.stack(flat).view(P, S, 2)
+        flat = torch.stack([counts.get((p, s), zero) for p in range(P) for s in range(S)]).view(P, S, 2)
+        return flat if dense is None else flat + dense
 
     # ------------------------------------------------------------------ telemetry
     @property

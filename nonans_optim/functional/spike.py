@@ -23,9 +23,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["spike_guard", "SPIKE_BETA"]
+__all__ = ["spike_guard", "spike_scale", "SPIKE_BETA"]
 
 SPIKE_BETA = 0.9
+
+
+def spike_scale(norms: torch.Tensor, ema: torch.Tensor, factor: float, *, beta: float = SPIKE_BETA
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The guard's arithmetic on the (n,) fp32 vector of gradient norms: (scale to multiply each gradient
+    by — exactly 1.0 unless triggered —, new EMA, trigger). Pure and shape-static, so the eager guard below
+    and the compiled kernels (``optimizers/_compiled*.py``) share it."""
+    finite = norms.abs() < float("inf")
+    seeded = ema > 0
+    cap = factor * ema
+    trigger = finite & seeded & (norms > cap)
+    scale = torch.where(trigger, cap / norms, torch.ones_like(norms))
+    observed = torch.where(trigger, cap, norms)
+    new_ema = torch.where(finite, torch.where(seeded, ema * beta + (1 - beta) * observed, norms), ema)
+    return scale, new_ema, trigger
 
 
 def spike_guard(grads: list[torch.Tensor], ema: torch.Tensor, factor: float, *, beta: float = SPIKE_BETA
@@ -34,12 +49,6 @@ def spike_guard(grads: list[torch.Tensor], ema: torch.Tensor, factor: float, *, 
 
     ``ema`` holds one fp32 norm EMA per gradient, 0 meaning "not seeded yet" (the first finite norm seeds)."""
     norms = torch.stack(torch._foreach_norm(grads)).float()
-    finite = torch.isfinite(norms)
-    seeded = ema > 0
-    cap = factor * ema
-    trigger = finite & seeded & (norms > cap)
-    scale = torch.where(trigger, cap / norms, torch.ones_like(norms))
-    observed = torch.where(trigger, cap, norms)
-    new_ema = torch.where(finite, torch.where(seeded, ema * beta + (1 - beta) * observed, norms), ema)
+    scale, new_ema, trigger = spike_scale(norms, ema, factor, beta=beta)
     guarded = [g * s.to(g.dtype) for g, s in zip(grads, scale.unbind())]
     return guarded, new_ema, trigger

@@ -5,9 +5,9 @@ from typing import Any
 
 import torch
 
-from ..resolution import STAGE_INDEX, inspect
+from ..resolution import STAGE_INDEX, STAGES, inspect
 
-__all__ = ["record", "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
+__all__ = ["record", "dense_counts", "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
 
 
 def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
@@ -16,6 +16,15 @@ def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | N
         key = (index, STAGE_INDEX[stage])
         prev = ctx["counts"].get(key)
         ctx["counts"][key] = counts if prev is None else prev + counts
+
+
+def dense_counts(ctx: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """This step's dense (P, S, 2) count block, created on first use. The compiled kernels add a whole
+    group's counts into it with one op, where :func:`record` costs a few host-side ops per tensor."""
+    if ctx["dense"] is None:
+        P = ctx["resolution"].num_params
+        ctx["dense"] = torch.zeros(P, len(STAGES), 2, dtype=torch.int64, device=device)
+    return ctx["dense"]
 
 
 def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:

@@ -16,7 +16,17 @@ How the graph is kept stable (no recompilation during training):
   lr schedule or the Polyak multiplier never recompiles;
 * hyperparameters (β₁, β₂, ε, λ) are passed as one fp32 tensor as well, again exactly the fp32 values
   eager uses for its Python-scalar operands;
-* ``dynamic=False``: shapes are fixed per parameter group, so the generated loops have constant trip counts.
+* ``dynamic=False``: shapes are fixed per parameter group, so the generated loops have constant trip counts;
+* the resolution bookkeeping is in the graph too: the spike guard (norm, EMA, rescale), the escalation
+  scale, the hold flag, and the counts, which are added into the step's dense (P, S, 2) block with one
+  ``index_add_`` — per-tensor Python bookkeeping cost more than the arithmetic (≈35 µs per tensor).
+
+Memory passes: the gradient is read once for its norm and counts (the spike guard and the hold rule need
+them before any write), then one fused loop reads p, g, m, v, writes p, m, v and accumulates the remaining
+counts. The moment-stage count here is "finite g whose (1-β₂)·g·g term is non-finite" — the same
+expression v adds, so it equals the eager "new v non-finite with a finite g" unless v itself was already
+within a rounding of fp32's maximum (counting from the new v would split the loop in two: it reads the
+buffer the loop writes).
 
 Semantics are those of ``impl="loop"`` (tests/test_compiled.py checks parameters, state and event counts):
 "repair" gates per entry, "skip" computes the same thing and then keeps the old parameter and state of a
@@ -35,14 +45,16 @@ from typing import Any
 
 import torch
 
-from ..resolution import finite_mask  # |x| < inf: one vectorised compare once compiled
+from ..functional.spike import spike_scale
+from ..resolution import STAGE_INDEX, STAGES, finite_mask  # |x| < inf: one vectorised compare once compiled
 
-__all__ = ["compiled_scalar_update", "compile_available"]
+__all__ = ["compiled_scalar_update", "compile_available", "compiled", "count", "nonfinite_counts",
+           "guard_spikes", "stage_rows"]
 
 _BROKEN: list[str] = []  # the first compile failure of this process, if any
 
 
-def _count(mask: torch.Tensor) -> torch.Tensor:
+def count(mask: torch.Tensor) -> torch.Tensor:
     """Number of True entries, accumulated in int32 when the tensor is small enough (shapes are static, so
     this is decided at trace time): on CPU, five int64 vector accumulators in one loop run ~2x slower than
     int32 ones (register pressure), and no count of a tensor under 2**31 entries can overflow int32."""
@@ -51,25 +63,47 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum(dtype=torch.int64)
 
 
-def _nonfinite_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def nonfinite_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(nan count, all non-finite count) of x. ``x != x`` rather than ``isnan``: inductor's CPU backend
     vectorises the compare but runs ``isnan`` element by element; both reductions share one loop."""
-    return _count(x != x), _count(~finite_mask(x))
+    return count(x != x), count(~finite_mask(x))
 
 
-def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z: bool, recent=None):
-    """One tensor's step, writing p, m/v (and z) in place; returns (3, 2) int64 [nan, inf] counts for the
-    stages grad, moment, update (None under "off", where nothing is detected).
+def guard_spikes(grads: list[torch.Tensor], ema: torch.Tensor, sel: torch.Tensor, factor: float | None):
+    """In-graph spike guard (the eager guard's arithmetic): returns (per-tensor scales — multiply each
+    gradient by its own, inside the consuming loop —, spike rows (n, 2)), or (None, None) without a
+    factor; updates the norm EMAs of ``sel`` in place. A scale is finite and > 0, so it changes no
+    entry's finiteness: the gradient counts can be taken on the raw gradient in the norm's pass."""
+    if factor is None:
+        return None, None
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).float()
+    scale, new_ema, trigger = spike_scale(norms, ema.index_select(0, sel), factor)
+    ema.index_copy_(0, sel, new_ema)
+    flags = trigger.to(torch.int64)
+    return scale, torch.stack((torch.zeros_like(flags), flags), 1)
+
+
+def stage_rows(per_stage: dict[str, torch.Tensor], n: int, device) -> torch.Tensor:
+    """(n, S, 2) block from {stage: (n, 2) counts}; stages not given are zero."""
+    zero = torch.zeros(n, 2, dtype=torch.int64, device=device)
+    return torch.stack([per_stage.get(s, zero) for s in STAGES], 1)
+
+
+def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z: bool, recent=None,
+                spike=None):
+    """One tensor's step, writing p, m/v (and z) in place; returns {stage: [nan, inf]} for grad, moment
+    and update (empty under "off", where nothing is detected). ``spike``: the guard's 0-d scale or None.
 
     hp = [1-β₁, β₂, 1-β₂, ε, λ, c, β(1-c)-1] (the last two only matter for schedule-free)."""
     one_m_b1, b2, one_m_b2, eps, wd = hp[0], hp[1], hp[2], hp[3], hp[4]
     gate = policy != "off"
     zero = torch.zeros((), dtype=torch.int64, device=p.device)
-    g_ok = finite_mask(g)
-    g_nan, g_bad = _nonfinite_counts(g)
+    g = g_raw * spike.to(g_raw.dtype) if spike is not None else g_raw
+    g_ok = finite_mask(g_raw)
     # v sees the raw gradient: a non-finite entry makes v_new non-finite there, and the gate below keeps
     # the previous v (missing observation). g·g with (1-β₂) first: addcmul's association, (w·g)·g.
-    v_new = v * b2 + one_m_b2 * g * g
+    g2 = one_m_b2 * g * g
+    v_new = v * b2 + g2
     if sf:
         # No first moment (β₁ is the interpolation weight): the gated gradient (0 where missing, so a
         # missing entry moves nothing) is the direction input, as in scalar_update's loop form.
@@ -78,9 +112,7 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
         g_in = torch.where(g_ok, g, m) if gate else g  # lerp(m, m, w) = m: m keeps its value there
         m_new = torch.lerp(m, g_in, one_m_b1)
     if gate:
-        v_ok = finite_mask(v_new)
-        overflow = _count(~v_ok) - g_bad  # v non-finite with a finite gradient: g² overflowed fp32
-        v_new = torch.where(v_ok, v_new, v)
+        v_new = torch.where(finite_mask(v_new), v_new, v)
     denom = torch.sqrt(v_new / bc2) + eps
     d = m_new / denom if sf else (m_new / bc1) / denom
     if sf:
@@ -92,23 +124,28 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
     else:
         y_new = p * (1 - lr * wd) - lr * d
         z_new = None
-    counts = None
+    out: dict[str, torch.Tensor] = {}
     if gate:
-        if recent is not None:  # _common.hold_flag: persistent whole-tensor loss holds the parameter
-            hold = recent & (g_bad == g.numel())
-            y_new = torch.where(hold, p, y_new)
-            if z_new is not None:
-                z_new = torch.where(hold, z, z_new)
-        u_nan, u_bad = _nonfinite_counts(y_new)
-        y_new = torch.where(finite_mask(y_new), y_new, p)
+        g_nan, g_bad = nonfinite_counts(g_raw)
+        overflow = count(g_ok & ~finite_mask(g2))  # g² overflowed fp32 with a finite g
+        # The update guard as _common._guarded_write: keep the old value where the new one is not finite
+        # or the tensor is held (_common.hold_flag: a persistent whole-tensor loss); a held tensor writes
+        # nothing, so it counts nothing. Counting the unheld y_new keeps the count in the writing loop.
+        keep = torch.zeros((), dtype=torch.bool, device=p.device)
+        if recent is not None:
+            keep = recent & (g_bad == g.numel())
+        y_ok = finite_mask(y_new)
+        u_nan, u_bad = count(y_new != y_new), count(~y_ok)
+        y_new = torch.where(y_ok & ~keep, y_new, p)
         if z_new is not None:
-            zn, zb = _nonfinite_counts(z_new)
+            zn, zb = nonfinite_counts(z_new)
             u_nan, u_bad = u_nan + zn, u_bad + zb
-            z_new = torch.where(finite_mask(z_new), z_new, z)
-        counts = torch.stack((torch.stack((g_nan, g_bad - g_nan)), torch.stack((zero, overflow)),
-                              torch.stack((u_nan, u_bad - u_nan))))
+            z_new = torch.where(finite_mask(z_new) & ~keep, z_new, z)
+        u_nan, u_bad = torch.where(keep, zero, u_nan), torch.where(keep, zero, u_bad)
+        out = {"grad": torch.stack((g_nan, g_bad - g_nan)), "moment": torch.stack((zero, overflow)),
+               "update": torch.stack((u_nan, u_bad - u_nan))}
     if policy == "skip":  # GradScaler semantics per tensor: keep everything when any entry was bad
-        ok = g_bad == 0
+        ok = out["grad"].sum() == 0
         y_new = torch.where(ok, y_new, p)
         v_new = torch.where(ok, v_new, v)
         if sf:
@@ -121,33 +158,60 @@ def _one_tensor(p, g, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, decay_z:
         z.copy_(z_new)
     else:
         m.copy_(m_new)
-    return counts
+    return out
 
 
-def _group_kernel(params, grads, ms, vs, zs, gamma, scale, indices, bcs, hp, sf: bool, policy: str,
-                  decay_z: bool, recent=None):
-    """All tensors of a group in one graph; returns (n, 3, 2) int64 counts (None under "off")."""
-    out = []
-    for i, (p, g, m, v, z) in enumerate(zip(params, grads, ms, vs, zs)):
-        lr = gamma * scale[indices[i]] if scale is not None else gamma
-        out.append(_one_tensor(p, g, m, v, z, lr, bcs[i, 0], bcs[i, 1], hp, sf, policy,
-                               decay_z, recent[indices[i]] if recent is not None else None))
-    return torch.stack(out) if policy != "off" else None
+def _group_kernel(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, sf: bool, policy: str,
+                  decay_z: bool, factor: float | None):
+    """All tensors of a group in one graph. ``res`` is None under "off", else (scale, recent, norm EMA,
+    dense counts) — the Resolution tensors, updated in place."""
+    if res is None:
+        for i, (p, g, m, v, z) in enumerate(zip(params, grads, ms, vs, zs)):
+            _one_tensor(p, g, m, v, z, gamma, bcs[i, 0], bcs[i, 1], hp, sf, policy, decay_z)
+        return
+    scale, recent, ema, dense = res
+    spike_scales, spike = guard_spikes(grads, ema, sel, factor)
+    lrs, rec = gamma * scale.index_select(0, sel), recent.index_select(0, sel)
+    rows = [_one_tensor(p, g, m, v, z, lrs[i], bcs[i, 0], bcs[i, 1], hp, sf, policy, decay_z,
+                        rec[i] if policy == "repair" else None,
+                        spike_scales[i] if spike_scales is not None else None)
+            for i, (p, g, m, v, z) in enumerate(zip(params, grads, ms, vs, zs))]
+    per_stage = {s: torch.stack([r[s] for r in rows]) for s in ("grad", "moment", "update")}
+    if spike is not None:
+        per_stage["spike"] = spike
+    dense.index_add_(0, sel, stage_rows(per_stage, len(rows), sel.device))
+
+
+def compiled(fn, name: str):
+    """``torch.compile`` of a copy of ``fn`` under its own code object: dynamo keeps its cache (and its
+    recompile limit of 8) per code object, and variants sharing one would evict each other."""
+    code = fn.__code__.replace(co_name=name)
+    return torch.compile(type(fn)(code, fn.__globals__, name), dynamic=False, fullgraph=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_kernel(sf: bool, policy: str):
-    """One compiled entry per (sf, policy), each on its own code object: dynamo keeps its cache (and its
-    recompile limit of 8) per code object, and variants sharing one would evict each other."""
-    code = _group_kernel.__code__.replace(co_name=f"_group_kernel_{'sf' if sf else 'adamw'}_{policy}")
-    fn = type(_group_kernel)(code, _group_kernel.__globals__, code.co_name)
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-    return functools.partial(compiled, sf=sf, policy=policy)
+def _compiled_kernel(sf: bool, policy: str, factor: float | None):
+    fn = compiled(_group_kernel, f"_group_kernel_{'sf' if sf else 'adamw'}_{policy}")
+    return functools.partial(fn, sf=sf, policy=policy, factor=factor)
 
 
 def compile_available() -> bool:
     """False once a compile has failed in this process (then impl="compiled" runs the foreach path)."""
     return not _BROKEN and hasattr(torch, "compile")
+
+
+def report_failure(err: Exception) -> None:
+    """Remember the first compile failure and warn once; the caller then runs the eager path."""
+    _BROKEN.append(f"{type(err).__name__}: {err}")
+    warnings.warn(f"impl='compiled': torch.compile failed ({_BROKEN[0][:300]}); using impl='foreach'",
+                  RuntimeWarning, stacklevel=4)
+
+
+def host_steps(states: list[dict]) -> list[float]:
+    """Advance every ``state['step']`` (CPU tensors: no device sync) and return the new values."""
+    steps = [st["step"] for st in states]
+    torch._foreach_add_(steps, 1.0)
+    return [float(s) for s in steps]
 
 
 def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: torch.device, sf: bool):
@@ -161,39 +225,42 @@ def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: t
     return hp, bcs
 
 
+def resolution_args(ctx: dict[str, Any], indices: list[int], device: torch.device):
+    """(sel, res tuple, spike factor) for a kernel call; (None, None, None) under "off"."""
+    from ._common import dense_counts
+    res = ctx["resolution"]
+    if res is None:
+        return None, None, None
+    t = res.tensors
+    sel = ctx["device_indices"](indices, t["scale"].device)
+    return sel, (t["scale"], ctx["recent"], t["grad_norm_ema"], dense_counts(ctx, device)), ctx["spike_factor"]
+
+
 def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                            indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                            gamma: torch.Tensor, c: float) -> None:
     """Drop-in for ``scalar_update(..., impl="foreach")``: same arguments, same state and counts."""
-    from ._common import record as _record
     from ._scalar import scalar_update  # deferred: _scalar imports this module
 
-    if not compile_available():
+    def eager(grads):
+        if ctx["guard_in_kernel"]:
+            grads = ctx["guard"](grads, indices, ctx)
         return scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c,
                              impl="foreach")
-    res = ctx["resolution"]
-    policy = "off" if res is None else res.policy
-    for st in states:
-        st["step"] += 1
-    steps = [float(st["step"]) for st in states]  # CPU tensors: no device sync
+
+    if not compile_available():
+        return eager(grads)
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    steps = host_steps(states)
     hp, bcs = _host_scalars(group, steps, c, params[0].device, sf)
     ms = [None if sf else st["exp_avg"] for st in states]
     zs = [st["z"] if sf else None for st in states]
     vs = [st["exp_avg_sq"] for st in states]
-    scale = res.tensors["scale"] if res is not None else None
+    sel, res, factor = resolution_args(ctx, indices, params[0].device)
     try:
-        counts = _compiled_kernel(sf, policy)(params, grads, ms, vs, zs, gamma, scale, tuple(indices),
-                                              bcs, hp, decay_z=sf and group["weight_decay"] != 0,
-                                              recent=ctx.get("recent") if policy == "repair" else None)
+        _compiled_kernel(sf, policy, factor)(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp,
+                                             decay_z=sf and group["weight_decay"] != 0)
     except Exception as err:  # noqa: BLE001 — any compile failure: report once, then run eager
-        _BROKEN.append(f"{type(err).__name__}: {err}")
-        warnings.warn(f"impl='compiled': torch.compile failed ({_BROKEN[0][:300]}); using impl='foreach'",
-                      RuntimeWarning, stacklevel=3)
-        for st in states:
-            st["step"] -= 1
-        return scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c,
-                             impl="foreach")
-    if res is not None:
-        for i, idx in enumerate(indices):
-            for s, stage in enumerate(("grad", "moment", "update")):
-                _record(ctx, idx, stage, counts[i, s])
+        report_failure(err)
+        torch._foreach_add_([st["step"] for st in states], -1.0)
+        return eager(grads)

@@ -28,6 +28,7 @@ from ..ns5 import ns5
 from ..resolution import finite_mask, inspect, tensor_counts
 from ..routing import matrix_shape
 from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
+from ._compiled_spectral import compiled_spectral_update
 
 __all__ = ["spectral_init_state", "spectral_update"]
 
@@ -71,6 +72,11 @@ def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: 
 def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                     indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
                     comps: frozenset[str], gamma: torch.Tensor, c: float, impl: str) -> None:
+    if impl == "compiled":
+        if compiled_spectral_update(params, grads, states, indices, group, ctx, comps=comps, gamma=gamma, c=c):
+            return
+        if ctx["guard_in_kernel"]:  # the base left the guard to the compiled kernels
+            grads = ctx["guard"](grads, indices, ctx)
     res = ctx["resolution"]
     repair = res is not None
     for st in states:

@@ -20,6 +20,7 @@ from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
 from ..resolution import STAGE_INDEX, inspect
 from ..routing import route
+from ._common import dense_counts
 from ._scalar import scalar_init_state, scalar_update
 from ._spectral import spectral_init_state, spectral_update
 
@@ -49,7 +50,8 @@ class Fusion(NonansOptimizer):
         spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
             (default 10, chosen by ``python -m experiments spikes``; None: off;
             :mod:`nonans_optim.functional.spike`).
-        impl: "foreach" (batched NS5 per shape, default) or "loop" (ground truth).
+        impl: "foreach" (batched NS5 per shape, default), "loop" (ground truth) or "compiled" (the
+            elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`).
     """
 
     def __init__(self, params, *, components, lr: float = 1e-3, weight_decay: float = 0.01,
@@ -119,7 +121,9 @@ class Fusion(NonansOptimizer):
         ctx["gamma_mult"] = mult
         if ctx["resolution"] is not None and ctx["loss"] is not None:
             _, counts = inspect(ctx["loss"].to(l1.device).reshape(1))
-            ctx["counts"][(0, STAGE_INDEX["loss"])] = counts
+            # Into the dense block, not the sparse dict: a compiled step records nothing else there, and one
+            # dict entry would make the step assemble all P×S entries on the host.
+            dense_counts(ctx, l1.device)[0, STAGE_INDEX["loss"]] += counts
 
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         comps = self.components

@@ -1,0 +1,234 @@
+"""impl="compiled" for the spectral path: the elementwise work around NS5 under ``torch.compile``.
+
+Why: an eager SF-NorMuon step on a 3.4M-parameter GPT spent about as long in elementwise passes and
+Python (≈25 ms: gate, MONA, momentum, stacking, normalisation, NorMuon, schedule-free update, update guard,
+counts, each a separate pass per tensor) as in the NS5 matmuls themselves (≈22 ms). Two compiled graphs
+per parameter group replace them, with the batched NS5 iteration (matmuls, nothing to fuse) eager between:
+
+1. ``_pre``: spike guard, gradient gate and counts, MONA, momentum (+ Nesterov), and the NS5 input — each
+   shape bucket's matrices stacked wide-side-last, Frobenius-normalised and cast to the hot dtype in the
+   same graph (what :func:`nonans_optim.ns5.ns5` would do in a separate pass per step);
+2. ``_post``: NorMuon (batched per bucket) or RMS matching, the direction counts, the schedule-free (or
+   plain) update with weight decay at z, the update guard and hold rule, the counts into the step's dense
+   block.
+
+The math is that of :mod:`._spectral` (``impl="loop"`` is the ground truth; tests/test_compiled_spectral.py
+compares parameters, state and counts within float tolerance — the generated code may contract a·b+c into
+an FMA, and the Frobenius normalisation divides by the max-abs entry instead of the nearest power of two,
+which changes the last bit, not the value). Not covered, so those groups run ``impl="foreach"``:
+KL-Shampoo (its factor updates, QR refresh and bypass are matrix work with data-dependent control, already
+dominated by matmuls) and the "skip" policy (its whole-tensor restore needs the pre-step values, which the
+pre-graph has already overwritten).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..functional.normuon import RMS_TARGET
+from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
+from ..resolution import finite_mask
+from ..routing import matrix_shape
+from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
+                        report_failure, resolution_args, stage_rows)
+
+__all__ = ["compiled_spectral_update", "supports"]
+
+_EPS = 1e-30  # ns5.normalise's guard against a zero matrix
+
+
+def supports(comps: frozenset[str], policy: str, group: dict[str, Any], params: list[torch.Tensor]) -> bool:
+    """Whether this compiled path covers a group (else the caller runs the foreach path): no KL-Shampoo,
+    no "skip", no fp16_safe NS5 (its rescaled coefficients live in ns5()), contiguous parameters (the
+    graphs work on matrix views of them)."""
+    return ("shampoo" not in comps and policy != "skip" and group["ns5_dtype"] != "fp16_safe"
+            and all(p.is_contiguous() for p in params) and compile_available())
+
+
+def _normalised(M: torch.Tensor, tall: bool, hot: torch.dtype) -> torch.Tensor:
+    """(B, m, n) → unit Frobenius norm per matrix, wide side last, in the hot dtype; zero stays zero. The
+    sum of squares is accumulated in fp64, where no fp32 value's square can overflow or underflow, so one
+    reduction (taken before the transpose, in the loop that produces M) replaces ns5.normalise's max-abs
+    pass and norm pass (ns5.normalise scales by the nearest power of two for bit-exact scale invariance;
+    here the last bit may differ, the value does not)."""
+    sumsq = M.double().square().sum(dim=(-2, -1), keepdim=True)
+    inv = torch.where(sumsq > 0, sumsq.rsqrt(), torch.zeros_like(sumsq))
+    X = M.double() * inv
+    return (X.mT if tall else X).to(hot).contiguous()
+
+
+def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool, factor, nesterov: bool,
+         mona: bool, ns5: bool, hot: torch.dtype):
+    """Momentum side of the step. Returns (NS5 inputs per bucket, grad counts (n, 2) and spike rows or
+    None, hold flags (n,) or None). hp = [1-μ, μ, 1-β_a, α]."""
+    one_m_mu, mu, one_m_ba, alpha = hp[0], hp[1], hp[2], hp[3]
+    scales = rows = None
+    if gate:
+        scale_t, recent, ema, _ = res
+        scales, rows = guard_spikes(grads, ema, sel, factor)
+    Ms, g_counts = [], []
+    for i, g_raw in enumerate(grads):
+        G = g_raw * scales[i].to(g_raw.dtype) if scales is not None else g_raw
+        ok = finite_mask(g_raw) if gate else None
+        if mona:
+            prev, davg = prevs[i], davgs[i]
+            start = torch.where(ok, G, torch.zeros_like(G)) if gate else G
+            prev_eff = torch.where(first[i], start, prev)
+            new_avg = torch.lerp(davg, G - prev_eff, one_m_ba)
+            if gate:
+                new_avg = torch.where(ok, new_avg, davg)
+                prev.copy_(torch.where(ok, G, prev_eff))
+            else:
+                prev.copy_(G)
+            davg.copy_(new_avg)
+            G = G + new_avg * alpha
+        buf = bufs[i]
+        g_in = torch.where(ok, G, buf) if gate else G
+        new_buf = torch.lerp(buf, g_in, one_m_mu)
+        buf.copy_(new_buf)
+        Ms.append(torch.lerp(g_in, new_buf, mu) if nesterov else new_buf)
+        if gate:
+            g_nan, g_bad = nonfinite_counts(g_raw)
+            g_counts.append(torch.stack((g_nan, g_bad - g_nan)))
+    inputs = []
+    for members, tall in buckets:
+        X = torch.stack([Ms[i].float() for i in members])
+        inputs.append(_normalised(X, tall, hot) if ns5 else X)
+    if not gate:
+        return inputs, None, None
+    gc = torch.stack(g_counts)
+    hold = recent.index_select(0, sel) & (gc.sum(-1) == torch.tensor([g.numel() for g in grads],
+                                                                      device=gc.device))
+    return inputs, (gc, rows), hold
+
+
+def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, buckets, *, gate: bool,
+          ns5: bool, normuon: bool, sf: bool, decay: bool):
+    """Direction side: NorMuon / RMS match, the update, the guard and the counts. hp = [β₂ᴺ, 1-β₂ᴺ, εᴺ,
+    λ, c, β(1-c)-1]. The NorMuon row gate (rows whose gradient was entirely finite) is computed here, in
+    the row-wise loop that reduces O² anyway, not in the pre-graph's flat loops."""
+    b2, one_m_b2, eps, wd, c, coef = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5]
+    n = len(params)
+    Us: list[Any] = [None] * n
+    dir_counts: list[Any] = [None] * n
+    for (members, tall), O in zip(buckets, outs):
+        O = O.float()
+        O = O.mT if (tall and ns5) else O
+        if normuon:
+            v = torch.stack([vs[i] for i in members])
+            v_new = torch.lerp(v, O.square().mean(dim=-1), one_m_b2)
+            if gate:
+                row_ok = torch.stack([finite_mask(grads[i]).all(dim=-1) for i in members])
+                v_new = torch.where(row_ok, v_new, v)
+            O = O / (v_new.sqrt().unsqueeze(-1) + eps)
+            if gate:
+                v_new = torch.where(finite_mask(v_new), v_new, v)
+            for j, i in enumerate(members):
+                vs[i].copy_(v_new[j])
+        norm = torch.linalg.matrix_norm(O, keepdim=True)
+        numel = O.shape[-1] * O.shape[-2]
+        factor = torch.where(norm > 0, RMS_TARGET * numel ** 0.5 / norm, torch.zeros_like(norm))
+        U = O * factor
+        if gate:  # U.sum() as (ΣO)·factor: finite iff every entry of U is (RMS 0.2: no overflow), one pass less
+            totals = O.sum(dim=(-2, -1), keepdim=True) * factor
+        for j, i in enumerate(members):
+            Us[i] = U[j]
+            if gate:
+                total = totals[j, 0, 0]
+                dir_counts[i] = torch.stack((total != total, total.abs() == float("inf"))).to(torch.int64)
+    scale = res[0] if gate else None
+    lrs = gamma * scale.index_select(0, sel) if gate else None
+    upd = []
+    for i, p in enumerate(params):
+        lr = lrs[i] if gate else gamma
+        P = p.view(Us[i].shape)
+        d = Us[i].to(p.dtype)
+        if sf:
+            z = zs[i].view(P.shape)
+            if decay:
+                d = d + z * wd
+            y_new = torch.lerp(P, z, c) + d * (lr * coef).to(p.dtype)
+            z_new = z - d * lr.to(p.dtype)
+        else:
+            y_new, z_new, z = P * (1 - lr * wd) - lr * d, None, None
+        if not gate:
+            P.copy_(y_new)
+            if z_new is not None:
+                z.copy_(z_new)
+            continue
+        keep = hold[i]
+        zero = torch.zeros((), dtype=torch.int64, device=p.device)
+        u_nan, u_bad = nonfinite_counts(y_new)
+        P.copy_(torch.where(finite_mask(y_new) & ~keep, y_new, P))
+        if z_new is not None:
+            zn, zb = nonfinite_counts(z_new)
+            u_nan, u_bad = u_nan + zn, u_bad + zb
+            z.copy_(torch.where(finite_mask(z_new) & ~keep, z_new, z))
+        upd.append(torch.stack((torch.where(keep, zero, u_nan), torch.where(keep, zero, u_bad - u_nan))))
+    if gate:
+        gc, spike = pre_counts
+        per_stage = {"grad": gc, "direction": torch.stack(dir_counts), "update": torch.stack(upd)}
+        if spike is not None:
+            per_stage["spike"] = spike
+        res[3].index_add_(0, sel, stage_rows(per_stage, n, sel.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(tag: str):
+    return compiled(_pre, f"_spectral_pre_{tag}"), compiled(_post, f"_spectral_post_{tag}")
+
+
+def _buckets(params: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """Same-shape matrices, in first-seen order: ((member positions), tall) per bucket — static per group,
+    so it is a compile-time constant of both graphs."""
+    order: dict[tuple[int, int], list[int]] = {}
+    for i, p in enumerate(params):
+        order.setdefault(matrix_shape(p), []).append(i)
+    return tuple((tuple(m), shape[0] > shape[1]) for shape, m in order.items())
+
+
+def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                             indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
+                             comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
+    """Run the group's spectral step compiled; False (nothing changed) when it cannot, and the caller
+    then runs the foreach path."""
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    if not supports(comps, policy, group, params):
+        return False
+    gate = policy != "off"
+    device = params[0].device
+    buckets = _buckets(params)
+    shapes = [matrix_shape(p) for p in params]
+    G2 = [g.reshape(s) for g, s in zip(grads, shapes)]
+    steps = host_steps(states)
+    mona = "mona" in comps
+    first = torch.tensor([s == 1 for s in steps], device=device) if mona else None
+    hp_pre = torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
+                           group["mona_alpha"]], dtype=torch.float32, device=device)
+    coef = group["sf_beta"] * (1 - c) - 1
+    hp_post = torch.tensor([group["normuon_beta2"], 1 - group["normuon_beta2"], group["normuon_eps"],
+                            group["weight_decay"], c, coef], dtype=torch.float32, device=device)
+    bufs = [st["momentum_buffer"].view(s) for st, s in zip(states, shapes)]
+    prevs = [st["mona_prev_grad"].view(s) for st, s in zip(states, shapes)] if mona else None
+    davgs = [st["mona_diff_avg"].view(s) for st, s in zip(states, shapes)] if mona else None
+    vs = [st.get("normuon_row_sq") for st in states]
+    zs = [st.get("z") for st in states]
+    sel, res, factor = resolution_args(ctx, indices, device)
+    hot = hot_dtype(device, group["ns5_dtype"])
+    tag = "_".join(sorted(comps)) + f"_{policy}"
+    pre, post = _kernels(tag)
+    try:
+        inputs, pre_counts, hold = pre(
+            G2, bufs, prevs, davgs, first, res, sel, hp_pre, buckets, gate=gate, factor=factor,
+            nesterov=group["nesterov"], mona=mona, ns5="ns5" in comps, hot=hot)
+    except Exception as err:  # noqa: BLE001 — the first failure disables compiled paths, nothing written
+        report_failure(err)
+        torch._foreach_add_([st["step"] for st in states], -1.0)
+        return False
+    coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
+    outs = [iterate(X, coefficients) if "ns5" in comps else X for X in inputs]
+    post(outs, params, G2, zs, vs, pre_counts, hold, gamma, res, sel, hp_post, buckets, gate=gate,
+         ns5="ns5" in comps, normuon="normuon" in comps, sf="sf" in comps, decay=group["weight_decay"] != 0)
+    return True
