@@ -177,18 +177,20 @@ def render(data: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.ns5_method", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments ns5-method", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, 2 rounds (for smoke tests)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--inner", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results" / "ns5_method.json"))
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 31)
     args.warmup = args.warmup or (1 if args.quick else 2)
     data = run(args)
-    publish(data, Path(args.out), render(data), "", "ns5-method", "Standard vs Gram NS5")
+    publish(data, Path(args.out), render(data), args.results_md, "ns5-method",
+            "Newton-Schulz: standard vs Gram iteration on CPU (issue 2)")
     return 0
 
 

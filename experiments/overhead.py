@@ -1,6 +1,6 @@
 """``python -m experiments overhead`` — what ``resolution="repair"`` costs on clean steps (issue 3).
 
-For every optimizer (AdamW foreach and compiled, SFAdamW, SFNorMuon, FullFusion, Muon) two arms that differ
+For every optimizer (AdamW foreach and compiled, SFAdamW, SFNorMuon foreach and compiled, FullFusion, Muon) two arms that differ
 only in the policy, "repair" and "off", run side by side in interleaved rounds (warm-up first, medians):
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
@@ -36,6 +36,8 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "AdamW (compiled)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="compiled"),
     "SFAdamW": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol),
     "SFNorMuon": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol),
+    "SFNorMuon (compiled)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
+                                                        impl="compiled"),
     "FullFusion": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol),
     "Muon": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol),
 }

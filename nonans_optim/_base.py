@@ -119,6 +119,7 @@ class NonansOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._restore_buffer_dtypes(state_dict)
         self._resolution = None
         st = self.state.get("nonans")
         if st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
@@ -127,6 +128,17 @@ class NonansOptimizer(Optimizer):
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
                 st["resolution"] = {k: v.to(device) for k, v in st["resolution"].items()}
+
+    def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
+        """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept
+        narrower on purpose (Fusion's ``momentum_dtype``) goes back to its saved dtype — an exact round
+        trip (bf16 → fp32 → bf16), so a resumed run stays bit-identical."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for pid, p in zip(ids, self._all_params()):
+            saved = state_dict["state"].get(pid, {}).get("momentum_buffer")
+            st = self.state.get(p)
+            if saved is not None and st is not None and st["momentum_buffer"].dtype != saved.dtype:
+                st["momentum_buffer"] = st["momentum_buffer"].to(saved.dtype)
 
     # ------------------------------------------------------------------ user-facing API
     def set_loss(self, loss: torch.Tensor | float) -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import nonans_optim as no
+from nonans_optim.ns5 import hot_dtype
 from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tensors, train_steps
 
 
@@ -175,8 +176,22 @@ def test_dtype_is_preserved(info, dtype):
     for p in model.parameters():
         assert p.dtype == dtype and torch.isfinite(p).all()
         for k, v in opt.state[p].items():
-            if k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "z"):
+            if k in ("exp_avg", "exp_avg_sq", "z"):
                 assert v.dtype == dtype, k
+            if k == "momentum_buffer":  # momentum_dtype="auto": bf16 where NS5 runs in bf16 (Fusion docs)
+                hot = hot_dtype(p.device, "auto")
+                assert v.dtype == (torch.bfloat16 if hot == torch.bfloat16 else dtype), k
+
+
+def test_momentum_dtype_param_keeps_the_parameter_dtype_and_bad_values_are_named():
+    model = make_model()
+    opt = no.SFNorMuon(no.param_groups(model), momentum_dtype="param")
+    loss_fn(model, make_batch(0)).backward()
+    opt.step()
+    bufs = [st["momentum_buffer"] for st in opt.state.values() if "momentum_buffer" in st]
+    assert bufs and all(b.dtype == torch.float32 for b in bufs)
+    with pytest.raises(ValueError, match="momentum_dtype.*'fp8'"):
+        no.SFNorMuon(model.parameters(), momentum_dtype="fp8")
 
 
 def test_routing_sends_embeddings_heads_and_1d_to_scalar_and_convs_to_spectral():

@@ -32,7 +32,9 @@ def test_step_time_quick(tmp_path):
     data = _run("step-time", tmp_path)
     names = {r["name"] for r in data["arms"]}
     ours = {"ours AdamW (foreach, repair)", "ours AdamW (compiled, repair)", "ours SFAdamW (foreach, repair)",
-            "ours SFAdamW (compiled, repair)", "ours SFNorMuon (repair)", "ours FullFusion (repair)"}
+            "ours SFAdamW (compiled, repair)", "ours SFNorMuon (foreach, repair)",
+            "ours SFNorMuon (compiled, repair)", "ours FullFusion (foreach, repair)",
+            "ours FullFusion (compiled, repair)"}
     assert ours | {"torch AdamW (foreach)", "torch AdamW (fused)"} <= names
     assert names | set(data["skipped"]) >= ours  # every arm is either measured or reported as skipped
     for r in data["arms"]:
@@ -47,10 +49,11 @@ def test_step_time_quick(tmp_path):
 def test_overhead_quick(tmp_path):
     data = _run("overhead", tmp_path)
     assert [r["optimizer"] for r in data["rows"]] == ["AdamW (foreach)", "AdamW (compiled)", "SFAdamW",
-                                                       "SFNorMuon", "FullFusion", "Muon"]
+                                                       "SFNorMuon", "SFNorMuon (compiled)", "FullFusion",
+                                                       "Muon"]
     for r in data["rows"]:
         for part in ("step", "train_step"):
             assert all(_finite_positive(r[part][k]) for k in ("repair_ms", "off_ms", "ratio_of_medians",
                                                                "median_paired_ratio")), r
     for kind in ("step", "train_step"):
-        assert len(data["raw_ms"][kind]) == 12 and all(len(v) == 2 for v in data["raw_ms"][kind].values())
+        assert len(data["raw_ms"][kind]) == 14 and all(len(v) == 2 for v in data["raw_ms"][kind].values())

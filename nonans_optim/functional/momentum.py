@@ -42,7 +42,16 @@ def mona_(g: torch.Tensor, prev_grad: torch.Tensor, diff_avg: torch.Tensor, ok: 
 
 def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu: float,
               nesterov: bool) -> torch.Tensor:
-    """Update ``buf`` (momentum_buffer) in place and return the direction input M."""
+    """Update ``buf`` (momentum_buffer) in place and return the direction input M.
+
+    A buffer stored in a narrower dtype than ``g`` (``momentum_dtype="bf16"``) is updated in g's dtype and
+    rounded once on the write; M uses the unrounded new value. The missing-observation gate still leaves it
+    exactly unchanged: lerp(b, b, w) = b, and b is representable in the buffer's dtype."""
+    if buf.dtype != g.dtype:
+        g_in = g if ok is None else torch.where(ok, g, buf.to(g.dtype))
+        new = buf.to(g.dtype).lerp(g_in, 1 - mu)
+        buf.copy_(new)
+        return g_in.lerp(new, mu) if nesterov else new
     g_in = g if ok is None else torch.where(ok, g, buf)
     buf.lerp_(g_in, 1 - mu)
     return g_in.lerp(buf, mu) if nesterov else buf.clone()

@@ -84,10 +84,10 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
                 prev.copy_(G)
             davg.copy_(new_avg)
             G = G + new_avg * alpha
-        buf = bufs[i]
+        buf = bufs[i].to(G.dtype)  # a bf16 buffer (momentum_dtype="bf16"): fp32 update, rounded on the write
         g_in = torch.where(ok, G, buf) if gate else G
         new_buf = torch.lerp(buf, g_in, one_m_mu)
-        buf.copy_(new_buf)
+        bufs[i].copy_(new_buf)
         Ms.append(torch.lerp(g_in, new_buf, mu) if nesterov else new_buf)
         if gate:
             g_nan, g_bad = nonfinite_counts(g_raw)
@@ -114,15 +114,19 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
     Us: list[Any] = [None] * n
     dir_counts: list[Any] = [None] * n
     for (members, tall), O in zip(buckets, outs):
+        # A tall matrix arrives transposed back to its own layout (an eager blocked copy): a transposed read
+        # inside the graph makes inductor tile the update loop in 2-D, and the flat count reductions then
+        # no longer fuse into it (two extra passes, measured).
         O = O.float()
-        O = O.mT if (tall and ns5) else O
+        wide = False
+        rdim = -1
         if normuon:
             v = torch.stack([vs[i] for i in members])
-            v_new = torch.lerp(v, O.square().mean(dim=-1), one_m_b2)
+            v_new = torch.lerp(v, O.square().mean(dim=rdim), one_m_b2)
             if gate:
                 row_ok = torch.stack([finite_mask(grads[i]).all(dim=-1) for i in members])
                 v_new = torch.where(row_ok, v_new, v)
-            O = O / (v_new.sqrt().unsqueeze(-1) + eps)
+            O = O / (v_new.sqrt().unsqueeze(rdim) + eps)
             if gate:
                 v_new = torch.where(finite_mask(v_new), v_new, v)
             for j, i in enumerate(members):
@@ -134,7 +138,7 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
         if gate:  # U.sum() as (ΣO)·factor: finite iff every entry of U is (RMS 0.2: no overflow), one pass less
             totals = O.sum(dim=(-2, -1), keepdim=True) * factor
         for j, i in enumerate(members):
-            Us[i] = U[j]
+            Us[i] = U[j].mT if wide else U[j]
             if gate:
                 total = totals[j, 0, 0]
                 dir_counts[i] = torch.stack((total != total, total.abs() == float("inf"))).to(torch.int64)
@@ -229,6 +233,7 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
         return False
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
     outs = [iterate(X, coefficients) if "ns5" in comps else X for X in inputs]
+    outs = [O.mT.contiguous() if tall and "ns5" in comps else O for O, (_, tall) in zip(outs, buckets)]
     post(outs, params, G2, zs, vs, pre_counts, hold, gamma, res, sel, hp_post, buckets, gate=gate,
          ns5="ns5" in comps, normuon="normuon" in comps, sf="sf" in comps, decay=group["weight_decay"] != 0)
     return True

@@ -33,13 +33,16 @@ from ._compiled_spectral import compiled_spectral_update
 __all__ = ["spectral_init_state", "spectral_update"]
 
 
-def spectral_init_state(p: torch.Tensor, comps: frozenset[str]) -> dict[str, torch.Tensor]:
+def spectral_init_state(p: torch.Tensor, comps: frozenset[str], momentum_dtype: str = "param"
+                        ) -> dict[str, torch.Tensor]:
     m, n = matrix_shape(p)
+    dtype = torch.bfloat16 if momentum_dtype == "bf16" else p.dtype
     st: dict[str, torch.Tensor] = {"step": torch.tensor(0.0),
-                                   "momentum_buffer": torch.zeros_like(p, memory_format=torch.contiguous_format)}
+                                   "momentum_buffer": torch.zeros_like(p, dtype=dtype,
+                                                                       memory_format=torch.contiguous_format)}
     if "mona" in comps:
-        st["mona_prev_grad"] = torch.zeros_like(st["momentum_buffer"])
-        st["mona_diff_avg"] = torch.zeros_like(st["momentum_buffer"])
+        st["mona_prev_grad"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        st["mona_diff_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
     if "normuon" in comps:
         st["normuon_row_sq"] = torch.zeros(m, dtype=torch.float32, device=p.device)
     if "sf" in comps:
