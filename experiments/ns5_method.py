@@ -1,4 +1,4 @@
-"""``python -m experiments.ns5_method`` — standard vs Gram Newton-Schulz on this machine (CPU, bf16).
+"""``python -m experiments ns5-method`` — standard vs Gram Newton-Schulz on this machine (CPU, bf16).
 
 What it decides: ``nonans_optim.ns5.GRAM_MIN_ASPECT``, the long/short side ratio from which
 ``ns5(method="auto")`` takes the Gram iteration (``nonans_optim.ns5_gram``). Gram trades s×l matmuls for
@@ -17,7 +17,7 @@ where it actually wins, and only the fp64 oracle says what it costs in accuracy.
   band is [0.68, 1.2024]), on a Gaussian and an ill-conditioned (σ log-spread over 1e-4..1) input, for
   standard, Gram (restart every 2), Dao et al.'s single restart after step 2, and no restart.
 
-Output: ``results/ns5_method.json`` and a printed table.
+Output: ``results/ns5_method.json`` and the table between ``<!-- ns5-method:begin/end -->`` in RESULTS.md.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def run(args) -> dict[str, Any]:
     timing_gpt = time_iterations(gpt, args)
     gpt_total = time_gpt_ns5(args)
     acc = accuracy([(64, 256)] if args.quick else [(64, 256), (256, 256), (256, 1024)], args)
-    return {"command": "python -m experiments.ns5_method" + (" --quick" if args.quick else ""),
+    return {"command": "python -m experiments ns5-method" + (" --quick" if args.quick else ""),
             "machine": {**info, "note": "shared 2-core machine; other jobs ran concurrently"},
             "settings": {"threads": args.threads, "rounds": args.rounds, "warmup": args.warmup,
                          "inner": args.inner, "hot_dtype": "bf16", "steps": 5, "restart_after": 2},

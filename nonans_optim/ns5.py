@@ -28,7 +28,7 @@ otherwise, and torch everywhere until that crossover is set). ``NONANS_NS5_BACKE
 Methods: ``"standard"`` (the iteration above), ``"gram"`` (``nonans_optim.ns5_gram``: the same polynomial
 iterated on the s×s Gram matrix, with a restart every two steps; fewer FLOPs for wide matrices), ``"auto"``
 (Gram on the torch backend where the long/short side ratio is at least ``GRAM_MIN_ASPECT``, measured by
-``python -m experiments.ns5_method``; standard otherwise and always on Triton). ``NONANS_NS5_METHOD``
+``python -m experiments ns5-method``; standard otherwise and always on Triton). ``NONANS_NS5_METHOD``
 overrides ``"auto"``.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ _EPS = 1e-30
 _FP16_SAFE_SCALE = 8.0
 
 # method="auto" takes the Gram iteration on the torch backend when long side / short side >= this.
-# Measured by `python -m experiments.ns5_method` (results/ns5_method.json; bf16, 2 threads, a shared
+# Measured by `python -m experiments ns5-method` (results/ns5_method.json; bf16, 2 threads, a shared
 # 2-core AMD EPYC with AVX512-BF16, iteration only, same-round ratios gram/standard over three clean runs):
 # l/s = 4: 0.80-0.88, l/s = 3: 0.85-0.93, l/s = 2: 0.90-1.02 (batch-1 256×512 lost or broke even), l/s = 1.5:
 # 1.02-1.09, square: 1.17-1.23. FLOPs predict the crossover at 1.5 (ns5_gram.gram_flops); 3 is the

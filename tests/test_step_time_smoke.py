@@ -57,3 +57,24 @@ def test_overhead_quick(tmp_path):
                                                                "median_paired_ratio")), r
     for kind in ("step", "train_step"):
         assert len(data["raw_ms"][kind]) == 14 and all(len(v) == 2 for v in data["raw_ms"][kind].values())
+
+
+@pytest.mark.slow
+def test_ns5_method_quick(tmp_path):
+    data = _run("ns5-method", tmp_path)
+    assert data["command"].startswith("python -m experiments ns5-method")
+    assert data["timing"] and all(_finite_positive(r["standard_ms"]) and _finite_positive(r["gram_ms"])
+                                  for r in data["timing"])
+    assert all(math.isfinite(r["gram_err"]) for r in data["accuracy"])
+
+
+def test_momentum_dtype_tiny(tmp_path):
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "experiments", "momentum-dtype", "--tasks", "digits", "--seeds",
+                           "1", "--steps", "3", "--out", str(out), "--results-md", ""], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    b = data["bytes_per_param"]
+    assert b["bf16"] < 8.0 < b["param"]  # the point of the option: under AdamW's two fp32 moments
+    assert all(math.isfinite(x) for x in data["tasks"]["digits"]["bf16"] + data["tasks"]["digits"]["param"])
