@@ -21,9 +21,13 @@ How the graph is kept stable (no recompilation during training):
   scale, the hold flag, and the counts, which are added into the step's dense (P, S, 2) block with one
   ``index_add_`` — per-tensor Python bookkeeping cost more than the arithmetic (≈35 µs per tensor).
 
-Memory passes: the gradient is read once for its norm and counts (the spike guard and the hold rule need
-them before any write), then one fused loop reads p, g, m, v, writes p, m, v and accumulates the remaining
-counts. The moment-stage count here is "finite g whose (1-β₂)·g·g term is non-finite" — the same
+Memory passes (read from the generated code, TORCH_LOGS=output_code): the gradient is read once for its norm
+and counts (the spike guard and the hold rule need them before any write), then one fused loop reads p, g,
+m, v and writes p, m, v. Without the spike guard that loop also accumulates the update counts; with it,
+inductor (torch 2.13) materialises the new parameter and counts it in a third pass — not fused whatever
+the count is taken on (tried: the new value, the unheld value, the direction), so the step moves about
+1.4x the bytes of "off". That, and per-tensor loops for the small tensors, is why "repair" is still
+several times "off" on a many-tensor model (RESULTS.md, "overhead"). The moment-stage count here is "finite g whose (1-β₂)·g·g term is non-finite" — the same
 expression v adds, so it equals the eager "new v non-finite with a finite g" unless v itself was already
 within a rounding of fp32's maximum (counting from the new v would split the loop in two: it reads the
 buffer the loop writes).
