@@ -234,10 +234,11 @@ def test_one_percent_faulty_steps_end_near_the_clean_run():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["foreach", "compiled"])
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
-def test_no_host_sync_in_step_on_gpu(info):
+def test_no_host_sync_in_step_on_gpu(info, impl):
     model = make_model().cuda()
-    opt = info.make(model.named_parameters())
+    opt = info.make(model.named_parameters(), impl=impl)
     tokens, img, y = (t.cuda() for t in make_batch(0))
     for i in range(3):  # the first step allocates state
         opt.zero_grad()

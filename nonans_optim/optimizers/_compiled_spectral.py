@@ -184,6 +184,10 @@ def _kernels(tag: str):
     return compiled(_pre, f"_spectral_pre_{tag}"), compiled(_post, f"_spectral_post_{tag}")
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def _buckets(params: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], bool], ...]:
     """Same-shape matrices, in first-seen order: ((member positions), tall) per bucket — static per group,
     so it is a compile-time constant of both graphs."""
@@ -208,12 +212,13 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     G2 = [g.reshape(s) for g, s in zip(grads, shapes)]
     steps = host_steps(states)
     mona = "mona" in comps
-    first = torch.tensor([s == 1 for s in steps], device=device) if mona else None
-    hp_pre = torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
-                           group["mona_alpha"]], dtype=torch.float32, device=device)
+    # Built on the host and copied without blocking (a blocking host→device copy would synchronise).
+    first = _to(torch.tensor([s == 1 for s in steps]), device) if mona else None
+    hp_pre = _to(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
+                               group["mona_alpha"]], dtype=torch.float32), device)
     coef = group["sf_beta"] * (1 - c) - 1
-    hp_post = torch.tensor([group["normuon_beta2"], 1 - group["normuon_beta2"], group["normuon_eps"],
-                            group["weight_decay"], c, coef], dtype=torch.float32, device=device)
+    hp_post = _to(torch.tensor([group["normuon_beta2"], 1 - group["normuon_beta2"], group["normuon_eps"],
+                                group["weight_decay"], c, coef], dtype=torch.float32), device)
     bufs = [st["momentum_buffer"].view(s) for st, s in zip(states, shapes)]
     prevs = [st["mona_prev_grad"].view(s) for st, s in zip(states, shapes)] if mona else None
     davgs = [st["mona_diff_avg"].view(s) for st, s in zip(states, shapes)] if mona else None
