@@ -218,7 +218,8 @@ class NonansOptimizer(Optimizer):
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
         """{position in group: gradient to use} for the parameters with a gradient — after the spike guard
         (:mod:`nonans_optim.functional.spike`) when ``spike_factor`` is set and resolution is on, unless the
-        compiled implementation applies the guard inside its kernel (``ctx["spike_factor"]`` tells it)."""
+        compiled implementation applies the guard inside its kernels (``ctx["guard_in_kernel"]`` records which:
+        a compiled path that falls back to eager applies it then, exactly once)."""
         found = {j: p.grad for j, p in enumerate(group["params"]) if p.grad is not None}
         ctx["guard_in_kernel"] = ctx["spike_factor"] is not None and self._guard_in_kernel()
         if ctx["spike_factor"] is None or not found or ctx["guard_in_kernel"]:

@@ -51,7 +51,7 @@ class Fusion(NonansOptimizer):
             (default: bf16 when NS5's hot dtype is bf16 — the buffer only feeds that bf16 iteration — and
             the parameter is wider, else the parameter's dtype). ``python -m experiments momentum-dtype``
             measured no difference beyond 1e-4 in final loss at 200 steps on two tasks (RESULTS.md); it is
-            what brings SF-NorMuon's state under AdamW's 8 bytes per parameter (6.2).
+            what brings SF-NorMuon's state under AdamW's 8 bytes per parameter.
         warmup_steps: linear lr warmup (also shapes the schedule-free weights).
         polyak: use the Polyak multiplier once set_loss() has been called.
         resolution: "repair" (default), "skip" or "off".
