@@ -36,9 +36,6 @@ from ._compiled import (compile_available, compiled, count, guard_spikes, host_s
 
 __all__ = ["compiled_spectral_update", "supports"]
 
-_EPS = 1e-30  # ns5.normalise's guard against a zero matrix
-
-
 def supports(comps: frozenset[str], policy: str, group: dict[str, Any], params: list[torch.Tensor]) -> bool:
     """Whether this compiled path covers a group (else the caller runs the foreach path): no KL-Shampoo,
     no "skip", no fp16_safe NS5 (its rescaled coefficients live in ns5()), contiguous parameters (the
@@ -66,7 +63,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
     one_m_mu, mu, one_m_ba, alpha = hp[0], hp[1], hp[2], hp[3]
     scales = rows = None
     if gate:
-        scale_t, recent, ema, _ = res
+        _, recent, ema, _ = res
         scales, rows = guard_spikes(grads, ema, sel, factor)
     Ms, g_counts = [], []
     for i, g_raw in enumerate(grads):
@@ -118,15 +115,13 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
         # inside the graph makes inductor tile the update loop in 2-D, and the flat count reductions then
         # no longer fuse into it (two extra passes, measured).
         O = O.float()
-        wide = False
-        rdim = -1
         if normuon:
             v = torch.stack([vs[i] for i in members])
-            v_new = torch.lerp(v, O.square().mean(dim=rdim), one_m_b2)
+            v_new = torch.lerp(v, O.square().mean(dim=-1), one_m_b2)
             if gate:
                 row_ok = torch.stack([finite_mask(grads[i]).all(dim=-1) for i in members])
                 v_new = torch.where(row_ok, v_new, v)
-            O = O / (v_new.sqrt().unsqueeze(rdim) + eps)
+            O = O / (v_new.sqrt().unsqueeze(-1) + eps)
             if gate:
                 v_new = torch.where(finite_mask(v_new), v_new, v)
             for j, i in enumerate(members):
@@ -138,7 +133,7 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
         if gate:  # U.sum() as (ΣO)·factor: finite iff every entry of U is (RMS 0.2: no overflow), one pass less
             totals = O.sum(dim=(-2, -1), keepdim=True) * factor
         for j, i in enumerate(members):
-            Us[i] = U[j].mT if wide else U[j]
+            Us[i] = U[j]
             if gate:
                 total = totals[j, 0, 0]
                 dir_counts[i] = torch.stack((total != total, total.abs() == float("inf"))).to(torch.int64)
