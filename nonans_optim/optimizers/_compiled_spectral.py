@@ -114,24 +114,32 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
         # A tall matrix arrives transposed back to its own layout (an eager blocked copy): a transposed read
         # inside the graph makes inductor tile the update loop in 2-D, and the flat count reductions then
         # no longer fuse into it (two extra passes, measured).
+        # Everything the direction needs reduces per row, so one row-wise pass over O gives it: Σⱼ O²ᵢⱼ (the
+        # NorMuon moment and, weighted by 1/dᵢ², the squared norm of Ô = O/d) and Σⱼ Oᵢⱼ (the direction
+        # count's total). Ô itself is never stored: the update loop forms O·(factor/dᵢ) from O directly.
         O = O.float()
+        row_sq = O.square().sum(dim=-1)  # (B, m)
+        row_sum = O.sum(dim=-1) if gate else None
         if normuon:
             v = torch.stack([vs[i] for i in members])
-            v_new = torch.lerp(v, O.square().mean(dim=-1), one_m_b2)
+            v_new = torch.lerp(v, row_sq / O.shape[-1], one_m_b2)
             if gate:
                 row_ok = torch.stack([finite_mask(grads[i]).all(dim=-1) for i in members])
                 v_new = torch.where(row_ok, v_new, v)
-            O = O / (v_new.sqrt().unsqueeze(-1) + eps)
+            inv = 1.0 / (v_new.sqrt() + eps)  # 1/dᵢ
             if gate:
                 v_new = torch.where(finite_mask(v_new), v_new, v)
             for j, i in enumerate(members):
                 vs[i].copy_(v_new[j])
-        norm = torch.linalg.matrix_norm(O, keepdim=True)
+        else:
+            inv = torch.ones_like(row_sq)
+        norm = (row_sq * inv * inv).sum(dim=-1, keepdim=True).sqrt()  # ‖Ô‖_F, (B, 1)
         numel = O.shape[-1] * O.shape[-2]
         factor = torch.where(norm > 0, RMS_TARGET * numel ** 0.5 / norm, torch.zeros_like(norm))
-        U = O * factor
-        if gate:  # U.sum() as (ΣO)·factor: finite iff every entry of U is (RMS 0.2: no overflow), one pass less
-            totals = O.sum(dim=(-2, -1), keepdim=True) * factor
+        row_scale = inv * factor  # (B, m)
+        U = O * row_scale.unsqueeze(-1)
+        if gate:  # ΣU = Σᵢ row_scaleᵢ·ΣⱼOᵢⱼ: finite iff every entry of U is (RMS 0.2: no overflow)
+            totals = (row_sum * row_scale).sum(dim=-1).reshape(-1, 1, 1)
         for j, i in enumerate(members):
             Us[i] = U[j]
             if gate:
