@@ -118,12 +118,18 @@ def normalise(G: torch.Tensor) -> torch.Tensor:
     return X / (norm + _EPS)
 
 
-def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *,
+                      tall: bool = False) -> torch.Tensor:
     """The NS iteration on a normalised, wide (m ≤ n) batch ``X`` of shape (B, m, n), in X's dtype.
 
     This is the torch reference and the oracle every kernel in ``nonans_optim.kernels`` is tested against;
     kernels implement the same signature."""
     for a, b, c in coefficients:
+        if tall:  # X is (B, l, s): the same iteration transposed, XᵀX and X·B (B is symmetric)
+            A = torch.bmm(X.mT, X)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, X, B, beta=a, alpha=1.0)
+            continue
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a·X + B·X
@@ -174,13 +180,16 @@ def _resolve_method(method: str, requested_backend: str, backend: str, shape: tu
     return method
 
 
-def iterate(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *, method: str = "auto"
-            ) -> torch.Tensor:
-    """The torch iteration on a normalised wide batch X (B, s, l) already in the hot dtype, with the method
-    chosen as :func:`ns5` would on the torch backend — for callers that normalise X themselves (the
-    compiled spectral path fuses the normalisation into the pass that produces the momentum)."""
+def iterate(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *, method: str = "auto",
+            tall: bool = False) -> torch.Tensor:
+    """The torch iteration on a normalised batch X already in the hot dtype — wide (B, s, l), or tall
+    (B, l, s) with ``tall=True`` (iterated in place of its transpose: no transposed copies) — with the method
+    chosen as :func:`ns5` would on the torch backend. For callers that normalise X themselves (the compiled
+    spectral path fuses the normalisation into the pass that produces the momentum)."""
     method = _resolve_method(method, "torch", "torch", tuple(X.shape[-2:]))
-    return iterate_gram(X, coefficients) if method == "gram" else iterate_reference(X, coefficients)
+    if method == "gram":
+        return iterate_gram(X, coefficients, tall=tall)
+    return iterate_reference(X, coefficients, tall=tall)
 
 
 @functools.lru_cache(maxsize=None)

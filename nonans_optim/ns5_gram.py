@@ -67,7 +67,7 @@ def segments(steps: int, restart_after: int | Sequence[int] | None = 2) -> list[
 
 
 def iterate_gram(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *,
-                 restart_after: int | Sequence[int] | None = 2) -> torch.Tensor:
+                 restart_after: int | Sequence[int] | None = 2, tall: bool = False) -> torch.Tensor:
     """The NS iteration on a normalised, wide (s ≤ l) batch ``X`` of shape (B, s, l), in X's dtype —
     same contract and result (up to rounding) as :func:`nonans_optim.ns5.iterate_reference`.
 
@@ -75,11 +75,15 @@ def iterate_gram(X: torch.Tensor, coefficients: Sequence[tuple[float, float, flo
     tests and experiments. Rounding: like the standard iteration's ``aX + BX``, P = aI + B is never
     stored when it can be avoided — with B = bR + cR² the products are ``baddbmm`` calls PQ = aQ + BQ,
     PR = aR + BR and (PR)P = a(PR) + (PR)B, so the large a·I term is added before the one rounding. Only
-    Q₁ = P₀ itself is formed (in place on B₀), and a one-step segment is exactly the standard step."""
+    Q₁ = P₀ itself is formed (in place on B₀), and a one-step segment is exactly the standard step.
+
+    ``tall=True``: X is (B, l, s), the transpose of the wide layout, and the iteration runs on it as is —
+    R = XᵀX and X ← XQ (Q and P are polynomials in the symmetric R, so XQ = (QXᵀ)ᵀ) — giving the transpose
+    of the wide result up to rounding without a transposed copy of the input or the output."""
     coefficients = list(coefficients)
     start = 0
     for length in segments(len(coefficients), restart_after):
-        R = torch.bmm(X, X.mT)
+        R = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
         Q = None
         for j, (a, b, c) in enumerate(coefficients[start:start + length]):
             B = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
@@ -93,7 +97,10 @@ def iterate_gram(X: torch.Tensor, coefficients: Sequence[tuple[float, float, flo
                     Q = B0
                     Q.diagonal(dim1=-2, dim2=-1).add_(a0)
                 Q = torch.baddbmm(Q, B, Q, beta=a)  # P Q
-        X = torch.baddbmm(X, B0, X, beta=a0) if Q is None else torch.bmm(Q, X)
+        if tall:
+            X = torch.baddbmm(X, X, B0, beta=a0) if Q is None else torch.bmm(X, Q)
+        else:
+            X = torch.baddbmm(X, B0, X, beta=a0) if Q is None else torch.bmm(Q, X)
         start += length
     return X
 

@@ -284,3 +284,15 @@ def test_bad_method_names_the_argument(bad):
 def test_gram_with_explicit_triton_backend_is_an_error():
     with pytest.raises(ValueError, match="method='gram'.*Triton"):
         ns5(torch.randn(4, 8), method="gram", backend="triton")
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_tall_layout_iterates_the_transpose(method):
+    """ns5.iterate(tall=True) on Xᵀ gives (the wide result)ᵀ: the compiled spectral path relies on it to
+    skip transposed copies. fp32, so only rounding separates the two orders of the products."""
+    from nonans_optim.ns5 import iterate
+    X = normalise(torch.randn(3, 24, 80, generator=torch.Generator().manual_seed(0)))
+    wide = iterate(X, KELLER5, method=method)
+    tall = iterate(X.mT.contiguous(), KELLER5, method=method, tall=True)
+    assert tall.shape == (3, 80, 24)
+    torch.testing.assert_close(tall, wide.mT, rtol=1e-4, atol=1e-5)

@@ -44,16 +44,15 @@ def supports(comps: frozenset[str], policy: str, group: dict[str, Any], params: 
             and all(p.is_contiguous() for p in params) and compile_available())
 
 
-def _normalised(M: torch.Tensor, tall: bool, hot: torch.dtype) -> torch.Tensor:
-    """(B, m, n) → unit Frobenius norm per matrix, wide side last, in the hot dtype; zero stays zero. The
-    sum of squares is accumulated in fp64, where no fp32 value's square can overflow or underflow, so one
-    reduction (taken before the transpose, in the loop that produces M) replaces ns5.normalise's max-abs
-    pass and norm pass (ns5.normalise scales by the nearest power of two for bit-exact scale invariance;
-    here the last bit may differ, the value does not)."""
+def _normalised(M: torch.Tensor, hot: torch.dtype) -> torch.Tensor:
+    """(B, m, n) → unit Frobenius norm per matrix in the hot dtype, layout kept (a tall bucket is iterated
+    tall, ns5.iterate(tall=True)); zero stays zero. The sum of squares is accumulated in fp64, where no
+    fp32 value's square can overflow or underflow, so one reduction in the loop that produces M replaces
+    ns5.normalise's max-abs pass and norm pass (ns5.normalise scales by the nearest power of two for
+    bit-exact scale invariance; here the last bit may differ, the value does not)."""
     sumsq = M.double().square().sum(dim=(-2, -1), keepdim=True)
     inv = torch.where(sumsq > 0, sumsq.rsqrt(), torch.zeros_like(sumsq))
-    X = M.double() * inv
-    return (X.mT if tall else X).to(hot).contiguous()
+    return (M.double() * inv).to(hot)
 
 
 def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool, factor, nesterov: bool,
@@ -90,9 +89,9 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
             g_nan, g_bad = nonfinite_counts(g_raw)
             g_counts.append(torch.stack((g_nan, g_bad - g_nan)))
     inputs = []
-    for members, tall in buckets:
+    for members, _ in buckets:
         X = torch.stack([Ms[i].float() for i in members])
-        inputs.append(_normalised(X, tall, hot) if ns5 else X)
+        inputs.append(_normalised(X, hot) if ns5 else X)
     if not gate:
         return inputs, None, None
     gc = torch.stack(g_counts)
@@ -111,9 +110,9 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
     Us: list[Any] = [None] * n
     dir_counts: list[Any] = [None] * n
     for (members, tall), O in zip(buckets, outs):
-        # A tall matrix arrives transposed back to its own layout (an eager blocked copy): a transposed read
-        # inside the graph makes inductor tile the update loop in 2-D, and the flat count reductions then
-        # no longer fuse into it (two extra passes, measured).
+        # A tall matrix is iterated tall (ns5.iterate(tall=True)), so O arrives in the parameter's own layout:
+        # a transposed read inside the graph made inductor tile the update loop in 2-D and split the flat
+        # count reductions off it (two extra passes, measured), and a transposed copy costs a pass too.
         # Everything the direction needs reduces per row, so one row-wise pass over O gives it: Σⱼ O²ᵢⱼ (the
         # NorMuon moment and, weighted by 1/dᵢ², the squared norm of Ô = O/d) and Σⱼ Oᵢⱼ (the direction
         # count's total). Ô itself is never stored: the update loop forms O·(factor/dᵢ) from O directly.
@@ -240,8 +239,8 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
         torch._foreach_add_([st["step"] for st in states], -1.0)
         return False
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
-    outs = [iterate(X, coefficients) if "ns5" in comps else X for X in inputs]
-    outs = [O.mT.contiguous() if tall and "ns5" in comps else O for O, (_, tall) in zip(outs, buckets)]
+    outs = [iterate(X, coefficients, tall=tall) if "ns5" in comps else X
+            for X, (_, tall) in zip(inputs, buckets)]
     post(outs, params, G2, zs, vs, pre_counts, hold, gamma, res, sel, hp_post, buckets, gate=gate,
          ns5="ns5" in comps, normuon="normuon" in comps, sf="sf" in comps, decay=group["weight_decay"] != 0)
     return True
