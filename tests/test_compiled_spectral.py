@@ -95,3 +95,12 @@ def test_uncovered_groups_run_foreach(cls, policy):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert torch.equal(got_opt.state["nonans"]["resolution"]["counts"],
                        ref_opt.state["nonans"]["resolution"]["counts"])
+
+
+def test_steps_and_lr_schedule_do_not_recompile():
+    """Every per-step number (lr, schedule-free c, MONA's first-step flag) is a tensor input: eight steps
+    with a changing lr add no graphs beyond the pre, post and scalar ones (fewer when an earlier test in
+    this process already compiled them)."""
+    torch._dynamo.utils.counters.clear()
+    _run("compiled", no.Fusion, "repair", steps=8, components=("ns5", "mona", "normuon", "sf"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
