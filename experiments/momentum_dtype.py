@@ -1,4 +1,4 @@
-"""``python -m experiments momentum-dtype`` — SF-NorMuon with its momentum buffer in bf16 vs fp32 (issue 2).
+"""``python -m experiments momentum-dtype`` — the spectral momentum buffer in bf16 vs fp32 (issue 2).
 
 Why it is a question: issue 2 asks for SF-NorMuon's optimizer state to be no larger than AdamW's (8 bytes
 per parameter). SF-NorMuon keeps z (fp32) and the momentum (fp32) per spectral entry plus a NorMuon row
@@ -6,7 +6,8 @@ moment, so it sits just above 8. Storing the momentum in bf16 brings it to about
 NS5, which rounds its input to bf16 anyway; the open part is whether rounding the *buffer* every step
 (an EMA with μ = 0.8: each step's increment is 20% of the buffer, far above bf16's 2⁻⁸ resolution) costs
 training quality. This measures it on the two offline tasks of the ablation (``experiments/tasks.py``),
-same seeds, same lr, same steps, and the state bytes on the step-time GPT.
+same seeds, same lr, same steps, for SF-NorMuon and for FullFusion (where the momentum also feeds
+KL-Shampoo before NS5, with μ = 0.8), and the state bytes on the step-time GPT.
 
 Output: ``results/momentum_dtype.json`` and the table between ``<!-- momentum-dtype:begin/end -->`` in
 RESULTS.md.
@@ -27,6 +28,7 @@ from experiments.step_time import ROOT, machine_info, state_bytes
 from experiments.tasks import make_task, train
 
 DTYPES = ("param", "bf16")
+OPTIMIZERS = ("sfnormuon", "fullfusion")  # FullFusion: the momentum also feeds KL-Shampoo before NS5
 DEFAULT_STEPS = {"charlm": 200, "digits": 200}
 METRIC = {"charlm": "val_loss", "digits": "val_err"}
 
@@ -41,34 +43,37 @@ def bytes_per_param(momentum_dtype: str) -> float:
     return per / sum(p.numel() for p in model.parameters())
 
 
-def run(tasks: list[str], seeds: int, steps: dict[str, int], lr: float) -> dict[str, Any]:
+def run(tasks: list[str], seeds: int, steps: dict[str, int], lr: float, optimizers: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"tasks": {}, "bytes_per_param": {d: bytes_per_param(d) for d in DTYPES}}
     for task in tasks:
-        res: dict[str, list[float]] = {d: [] for d in DTYPES}
-        for seed in range(seeds):
-            for d in DTYPES:
-                r = train(make_task(task, seed), "sfnormuon", seed=seed, lr=lr, steps=steps[task],
-                          opt_kwargs={"momentum_dtype": d})
-                res[d].append(r["final"][METRIC[task]])
-                print(f"[momentum-dtype] {task} seed={seed} {d:<5} {METRIC[task]}={res[d][-1]:.4f}", flush=True)
-        out["tasks"][task] = res
+        for opt in optimizers:
+            res: dict[str, list[float]] = {d: [] for d in DTYPES}
+            for seed in range(seeds):
+                for d in DTYPES:
+                    r = train(make_task(task, seed), opt, seed=seed, lr=lr, steps=steps[task],
+                              opt_kwargs={"momentum_dtype": d})
+                    res[d].append(r["final"][METRIC[task]])
+                    print(f"[momentum-dtype] {task} {opt} seed={seed} {d:<5} {METRIC[task]}={res[d][-1]:.4f}",
+                          flush=True)
+            out["tasks"][f"{task}/{opt}"] = res
     return out
 
 
 def render(data: dict[str, Any]) -> str:
     c = data["config"]
     lines = [f"Command: `{data['command']}` (JSON: `results/momentum_dtype.json`), {data['machine']['date']}; "
-             f"SFNorMuon at lr {c['lr']}, {c['seeds']} seeds, steps {c['steps']}, every other setting the default.",
+             f"lr {c['lr']}, {c['seeds']} seeds, steps {c['steps']}, every other setting the default.",
              ""]
     rows = []
-    for task, res in data["tasks"].items():
+    for key, res in data["tasks"].items():
+        task, opt = key.split("/")
         f32, b16 = res["param"], res["bf16"]
         sd = statistics.stdev(f32) if len(f32) > 1 else float("nan")
         diff = [b - a for a, b in zip(f32, b16)]
-        rows.append([task, METRIC[task], f"{statistics.mean(f32):.4f} ± {sd:.4f}",
+        rows.append([task, opt, METRIC[task], f"{statistics.mean(f32):.4f} ± {sd:.4f}",
                      f"{statistics.mean(b16):.4f} ± {statistics.stdev(b16) if len(b16) > 1 else float('nan'):.4f}",
                      f"{statistics.mean(diff):+.4f}", f"{max(abs(x) for x in diff):.4f}"])
-    lines.append(md_table(["task", "metric", "fp32 momentum (mean ± sd)", "bf16 momentum (mean ± sd)",
+    lines.append(md_table(["task", "optimizer", "metric", "fp32 momentum (mean ± sd)", "bf16 momentum (mean ± sd)",
                            "paired Δ (bf16 − fp32)", "largest |paired Δ|"], rows))
     b = data["bytes_per_param"]
     lines.append(f"\nState bytes per parameter on the step-time GPT (3.44M parameters): fp32 momentum "
@@ -82,14 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "momentum_dtype.json"))
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps = {t: args.steps or DEFAULT_STEPS[t] for t in args.tasks}
-    data = run(args.tasks, args.seeds, steps, args.lr)
-    data["config"] = {"tasks": args.tasks, "seeds": args.seeds, "steps": steps, "lr": args.lr}
+    data = run(args.tasks, args.seeds, steps, args.lr, args.optimizers)
+    data["config"] = {"tasks": args.tasks, "seeds": args.seeds, "steps": steps, "lr": args.lr,
+                      "optimizers": args.optimizers}
     data["machine"] = machine_info()
     cmd = "python -m experiments momentum-dtype"
     data["command"] = cmd + "".join(f" {a}" for a in (argv or []))
