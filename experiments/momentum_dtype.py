@@ -29,8 +29,9 @@ from experiments.tasks import make_task, train
 
 DTYPES = ("param", "bf16")
 OPTIMIZERS = ("sfnormuon", "fullfusion")  # FullFusion: the momentum also feeds KL-Shampoo before NS5
+BENCH_W5 = "w5_kl_shampoo"  # bench's Fusion(shampoo, ns5) workload: its one-seed metric moved with bf16
 DEFAULT_STEPS = {"charlm": 200, "digits": 200}
-METRIC = {"charlm": "val_loss", "digits": "val_err"}
+METRIC = {"charlm": "val_loss", "digits": "val_err", "bench-w5": "held-out CE"}
 
 
 def bytes_per_param(momentum_dtype: str) -> float:
@@ -56,13 +57,29 @@ def run(tasks: list[str], seeds: int, steps: dict[str, int], lr: float, optimize
                     print(f"[momentum-dtype] {task} {opt} seed={seed} {d:<5} {METRIC[task]}={res[d][-1]:.4f}",
                           flush=True)
             out["tasks"][f"{task}/{opt}"] = res
+    out["tasks"]["bench-w5/fusion-shampoo-ns5"] = bench_w5(max(seeds, 5))
     return out
+
+
+def bench_w5(seeds: int) -> dict[str, list[float]]:
+    """bench workload 5 (KL-Shampoo + NS5, μ 0.95, lr 0.02) under the "nonans" arm, fp32 vs bf16 momentum:
+    a workload whose held-out CE spreads widely over seeds, so it gets at least five."""
+    from experiments.bench.harness import run_arm
+    from experiments.bench.workloads import WORKLOADS
+    res: dict[str, list[float]] = {d: [] for d in DTYPES}
+    for seed in range(seeds):
+        for d in DTYPES:
+            r = run_arm(WORKLOADS[BENCH_W5], "nonans", seed=seed, ours_kwargs={"momentum_dtype": d})
+            res[d].append(r["final_metric"])
+            print(f"[momentum-dtype] bench W5 seed={seed} {d:<5} held-out CE={res[d][-1]:.4f}", flush=True)
+    return res
 
 
 def render(data: dict[str, Any]) -> str:
     c = data["config"]
     lines = [f"Command: `{data['command']}` (JSON: `results/momentum_dtype.json`), {data['machine']['date']}; "
-             f"lr {c['lr']}, {c['seeds']} seeds, steps {c['steps']}, every other setting the default.",
+             f"lr {c['lr']}, {c['seeds']} seeds, steps {c['steps']}, every other setting the default; the bench row is "
+             "`python -m experiments bench`'s workload 5 under its own settings (\"nonans\" arm), seeds 0-4.",
              ""]
     rows = []
     for key, res in data["tasks"].items():
@@ -72,9 +89,10 @@ def render(data: dict[str, Any]) -> str:
         diff = [b - a for a, b in zip(f32, b16)]
         rows.append([task, opt, METRIC[task], f"{statistics.mean(f32):.4f} ± {sd:.4f}",
                      f"{statistics.mean(b16):.4f} ± {statistics.stdev(b16) if len(b16) > 1 else float('nan'):.4f}",
-                     f"{statistics.mean(diff):+.4f}", f"{max(abs(x) for x in diff):.4f}"])
+                     f"{statistics.mean(diff):+.4f}", f"{max(abs(x) for x in diff):.4f}",
+                     f"{sum(x < 0 for x in diff)} / {sum(x > 0 for x in diff)} of {len(diff)}"])
     lines.append(md_table(["task", "optimizer", "metric", "fp32 momentum (mean ± sd)", "bf16 momentum (mean ± sd)",
-                           "paired Δ (bf16 − fp32)", "largest |paired Δ|"], rows))
+                           "paired Δ (bf16 − fp32)", "largest |paired Δ|", "seeds bf16 lower / higher"], rows))
     b = data["bytes_per_param"]
     lines.append(f"\nState bytes per parameter on the step-time GPT (3.44M parameters): fp32 momentum "
                  f"{b['param']:.2f}, bf16 momentum {b['bf16']:.2f} (AdamW: 8.00).")

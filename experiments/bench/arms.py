@@ -115,8 +115,9 @@ def _split(model):
     return spectral, scalar
 
 
-def make_optimizer(arm: str, task: Task):
-    """The optimizer for ``arm`` on ``task`` (a torch Optimizer, a :class:`Chain`, or ours)."""
+def make_optimizer(arm: str, task: Task, **ours_kwargs):
+    """The optimizer for ``arm`` on ``task`` (a torch Optimizer, a :class:`Chain`, or ours). ``ours_kwargs``
+    go to our spectral optimizers only (ablations of one library option on a bench workload)."""
     spec, model = task.optim, task.model
     ours = arm in OURS_ARMS
     resolution = "off" if arm == "nonans_off" else "repair"
@@ -132,7 +133,7 @@ def make_optimizer(arm: str, task: Task):
         if ours:  # the library's NS5 in the same fp16 hot dtype: it normalises in fp32 *before* the cast
             return nonans_optim.Fusion(nonans_optim.param_groups(model), components=("ns5",), lr=spec.lr,
                                        weight_decay=spec.weight_decay, ns5_dtype=spec.hot, polyak=False,
-                                       resolution=resolution)
+                                       resolution=resolution, **ours_kwargs)
         spectral, scalar = _split(model)
         hot = _HOT["fp32" if arm == "clean" else spec.hot]
         return Chain(NaiveMuon(spectral, lr=spec.lr, weight_decay=spec.weight_decay, hot=hot),
@@ -141,7 +142,7 @@ def make_optimizer(arm: str, task: Task):
         if ours:
             return nonans_optim.Fusion(nonans_optim.param_groups(model), components=("shampoo", "ns5"),
                                        lr=spec.lr, weight_decay=spec.weight_decay, polyak=False,
-                                       resolution=resolution)
+                                       resolution=resolution, **ours_kwargs)
         # the reference applies KL-Shampoo to every matrix; vectors go to AdamW at the same rate
         lr = spec.stock_lr if spec.stock_lr is not None else spec.lr
         mats = [p for p in model.parameters() if p.dim() == 2]

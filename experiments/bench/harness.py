@@ -54,13 +54,14 @@ def _safe(x: float) -> float | None:
 
 
 def run_arm(workload: Workload, arm: str, *, size: str = "default", seed: int = 0,
-            rollback_every: int | None = None, progress=None) -> dict:
-    """Train ``workload`` with ``arm`` and return the JSON-ready record of the run."""
+            rollback_every: int | None = None, progress=None, ours_kwargs: dict | None = None) -> dict:
+    """Train ``workload`` with ``arm`` and return the JSON-ready record of the run (``ours_kwargs``: see
+    :func:`.arms.make_optimizer`)."""
     rollback_every = rollback_every or ROLLBACK_EVERY[size]
     torch.manual_seed(seed)
     task = workload.build(size=size, seed=seed, clean=(arm == "clean"))
     model, steps = task.model, task.steps
-    opt = make_optimizer(arm, task)
+    opt = make_optimizer(arm, task, **(ours_kwargs or {}))
     ours = arm in OURS_ARMS
     scaler = torch.amp.GradScaler("cpu") if (task.amp and not ours) else None
     clip = task.clip  # the same guard for every arm (GradScaler only for the stock ones)
