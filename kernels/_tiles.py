@@ -37,3 +37,32 @@ def prep_operand(x, scale, SCALE: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.co
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def dot_k_loop(lhs, rhs, K, rhs_step, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SCALE_LHS: tl.constexpr, SCALE_RHS: tl.constexpr, EVEN_K: tl.constexpr,
+               DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N) tile of Σ_k lhs_k · rhs_k over the contraction length K: ``lhs`` points at a
+    (BLOCK_M, BLOCK_K) tile and advances BLOCK_K elements per step, ``rhs`` at a (BLOCK_K, BLOCK_N) tile and
+    advances ``rhs_step``; a ragged last step is masked to zero. Shared by the Gram (X·Xᵀ) and aX + BX
+    kernels, which differ only in their pointers and in which operand takes the input rescale."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(lhs)
+            b = tl.load(rhs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(lhs, mask=ks[None, :] < k_left, other=0.0)
+            b = tl.load(rhs, mask=ks[:, None] < k_left, other=0.0)
+        a = prep_operand(a, scale, SCALE_LHS, DOT, UPCAST)
+        b = prep_operand(b, scale, SCALE_RHS, DOT, UPCAST)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        lhs += BLOCK_K
+        rhs += rhs_step
+    return acc

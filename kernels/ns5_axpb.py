@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._runtime import H100_SMEM_BYTES, check_hot_dtype, interpreting, on_device, tl_dtype
 from ._cast import cast_rtne
-from ._tiles import grouped_tile, prep_operand
+from ._tiles import dot_k_loop, grouped_tile
 
 __all__ = ["axpb", "axpb_reference", "AXPB_CONFIGS", "_axpb_kernel"]
 
@@ -73,23 +73,8 @@ def _axpb_kernel(Bm, X, Y, M, N, BATCH, stride_bb, stride_bm, stride_xb, stride_
     ks = tl.arange(0, BLOCK_K)
     lhs = Bm + (rows % M)[:, None] * stride_bm + ks[None, :]
     rhs = X + ks[:, None] * stride_xm + (cols % N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(M, BLOCK_K)):
-        if EVEN_K:
-            b = tl.load(lhs)
-            x = tl.load(rhs)
-        else:
-            k_left = M - k * BLOCK_K
-            b = tl.load(lhs, mask=ks[None, :] < k_left, other=0.0)
-            x = tl.load(rhs, mask=ks[:, None] < k_left, other=0.0)
-        b = prep_operand(b, in_scale, False, DOT, UPCAST)
-        x = prep_operand(x, in_scale, SCALE_IN, DOT, UPCAST)
-        if IEEE:
-            acc = tl.dot(b, x, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(b, x, acc)
-        lhs += BLOCK_K
-        rhs += BLOCK_K * stride_xm
+    acc = dot_k_loop(lhs, rhs, M, BLOCK_K * stride_xm, in_scale, BLOCK_M, BLOCK_N, BLOCK_K, False, SCALE_IN,
+                     EVEN_K, DOT, UPCAST, IEEE)
     inside = (rows[:, None] < M) & (cols[None, :] < N)
     x_tile = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     if SCALE_IN:

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._runtime import H100_SMEM_BYTES, check_hot_dtype, interpreting, on_device, tl_dtype
 from ._cast import cast_rtne
-from ._tiles import grouped_tile, prep_operand
+from ._tiles import dot_k_loop, grouped_tile
 
 __all__ = ["gram", "poly", "gram_reference", "poly_reference", "SYRK_CONFIGS", "_syrk_kernel"]
 
@@ -79,23 +79,8 @@ def _syrk_kernel(X, ADD, C, M, K, BATCH, stride_xb, stride_xm, stride_cb, stride
     ks = tl.arange(0, BLOCK_K)
     lhs = X + (rows % M)[:, None] * stride_xm + ks[None, :]
     rhs = X + (cols % M)[None, :] * stride_xm + ks[:, None]
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(lhs)
-            b = tl.load(rhs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(lhs, mask=ks[None, :] < k_left, other=0.0)
-            b = tl.load(rhs, mask=ks[:, None] < k_left, other=0.0)
-        a = prep_operand(a, in_scale, SCALE_IN, DOT, UPCAST)
-        b = prep_operand(b, in_scale, SCALE_IN, DOT, UPCAST)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        lhs += BLOCK_K
-        rhs += BLOCK_K
+    acc = dot_k_loop(lhs, rhs, K, BLOCK_K, in_scale, BLOCK, BLOCK, BLOCK_K, SCALE_IN, SCALE_IN, EVEN_K, DOT,
+                     UPCAST, IEEE)
     acc = acc * alpha
     inside = (rows[:, None] < M) & (cols[None, :] < M)
     offsets = rows[:, None] * stride_cm + cols[None, :]
