@@ -92,3 +92,46 @@ def count_nonfinite(grad: torch.Tensor, counters: torch.Tensor | None = None) ->
     if counters is not None:
         counters[:2] += scratch[:2]
     return scratch
+
+
+@triton.jit
+def load_grad_block(G, COUNTS, FLAG, N, COUNT: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    """The opening every resolve-and-update kernel shares: this program's offsets and mask, its fp32
+    gradient block, the block's NaN/Inf counts added to COUNTS (when COUNT), and whether to write at all
+    (False when a "skip" FLAG says the tensor had a non-finite entry)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+    if COUNT:
+        n_nan, n_inf = block_counts(g, mask)
+        add_counts(COUNTS, n_nan, n_inf)
+    go = True
+    if HAS_FLAG:
+        go = tl.load(FLAG) == 0
+    return offsets, mask, g, go
+
+
+def skip_flag_and_count(code: int, grad: torch.Tensor, counters: torch.Tensor | None,
+                        skip_flag: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
+    """(the skip flag the kernel reads or None, whether the kernel itself still counts). Under "skip" without
+    a precomputed flag, a first pass over ``grad`` makes the verdict and does the counting."""
+    count = counters is not None and code != 0
+    if code != 2:
+        return None, count
+    if skip_flag is not None:
+        return skip_flag, count
+    return count_nonfinite(grad, counters if count else None)[2:], False
+
+
+def reference_counts_and_skip(g: torch.Tensor, counters: torch.Tensor | None, code: int,
+                              skip_flag: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The torch oracles' shared part: (finite mask of fp32 ``g``, 0-d skip verdict under "skip" else None),
+    adding [nan, inf] into ``counters`` unless the policy is "off"."""
+    finite = torch.isfinite(g)
+    if counters is not None and code != 0:
+        counters[0] += torch.isnan(g).sum()
+        counters[1] += torch.isinf(g).sum()
+    skip = None
+    if code == 2:
+        skip = ~finite.all() if skip_flag is None else skip_flag.reshape(()) != 0
+    return finite, skip

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_rtne
-from ._elementwise import (add_counts, block_counts, check_counters, count_nonfinite, elementwise_block,
-                           policy_code)
+from ._elementwise import (check_counters, elementwise_block, load_grad_block, policy_code,
+                           reference_counts_and_skip, skip_flag_and_count)
 from ._runtime import interpreting, on_device, scalar_arg
 
 __all__ = ["fused_adamw_", "fused_adamw_reference_", "_adamw_kernel"]
@@ -45,15 +45,7 @@ def _adamw_kernel(P, G, M, V, COUNTS, FLAG, N, lr, beta1, beta2, eps, weight_dec
                   LR_PTR: tl.constexpr, BC1_PTR: tl.constexpr, BC2_PTR: tl.constexpr, POLICY: tl.constexpr,
                   COUNT: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     """In-place AdamW on one BLOCK of the flattened tensors; POLICY 0 off, 1 repair, 2 skip."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < N
-    g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
-    if COUNT:
-        n_nan, n_inf = block_counts(g, mask)
-        add_counts(COUNTS, n_nan, n_inf)
-    go = True
-    if HAS_FLAG:
-        go = tl.load(FLAG) == 0
+    offsets, mask, g, go = load_grad_block(G, COUNTS, FLAG, N, COUNT, HAS_FLAG, BLOCK)
     if go:
         lr_value = _load_scalar(lr, LR_PTR)
         bc1_value = _load_scalar(bc1, BC1_PTR)
@@ -111,15 +103,8 @@ def fused_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     lr_arg, lr_ptr = scalar_arg(lr, "lr", param.device)
     bc1_arg, bc1_ptr = scalar_arg(bias_correction1, "bias_correction1", param.device)
     bc2_arg, bc2_ptr = scalar_arg(bias_correction2, "bias_correction2", param.device)
-    count = counters is not None and code != 0
     with on_device(param):
-        flag = None
-        if code == 2:
-            if skip_flag is None:
-                flag = count_nonfinite(grad, counters if count else None)[2:]
-                count = False
-            else:
-                flag = skip_flag
+        flag, count = skip_flag_and_count(code, grad, counters, skip_flag)
         block, warps = elementwise_block()
         dummy = param  # never dereferenced when its constexpr switch is off
         _adamw_kernel[(triton.cdiv(n, block),)](
@@ -136,10 +121,7 @@ def fused_adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     """Pure-torch oracle of :func:`fused_adamw_` (same signature and semantics, fp32 math, no host sync)."""
     code = policy_code(policy)
     g = grad.float()
-    finite = torch.isfinite(g)
-    if counters is not None and code != 0:
-        counters[0] += torch.isnan(g).sum()
-        counters[1] += torch.isinf(g).sum()
+    finite, skip = reference_counts_and_skip(g, counters, code, skip_flag)
     p, m, v = param.float(), exp_avg.float(), exp_avg_sq.float()
     m_new = m + (1.0 - beta1) * (g - m)
     v_new = v * beta2 + (1.0 - beta2) * (g * g)
@@ -150,7 +132,6 @@ def fused_adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     p_new = p * (1.0 - lr * weight_decay)
     p_new = p_new - (lr / bias_correction1) * (m_new / (v_new.sqrt() / bc2.sqrt() + eps))
     if code == 2:
-        skip = ~finite.all() if skip_flag is None else skip_flag.reshape(()) != 0
         p_new, m_new, v_new = (torch.where(skip, old, new) for old, new in ((p, p_new), (m, m_new), (v, v_new)))
     param.copy_(p_new)
     exp_avg.copy_(m_new)

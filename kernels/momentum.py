@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_rtne
-from ._elementwise import (add_counts, block_counts, check_counters, count_nonfinite, elementwise_block,
-                           policy_code)
+from ._elementwise import (check_counters, elementwise_block, load_grad_block, policy_code,
+                           reference_counts_and_skip, skip_flag_and_count)
 from ._runtime import interpreting, on_device
 
 __all__ = ["momentum_update_", "momentum_update_reference_", "_momentum_kernel"]
@@ -25,15 +25,7 @@ __all__ = ["momentum_update_", "momentum_update_reference_", "_momentum_kernel"]
 def _momentum_kernel(BUF, G, COUNTS, FLAG, N, beta, POLICY: tl.constexpr, COUNT: tl.constexpr,
                      HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     """In-place momentum update on one BLOCK; POLICY 0 off, 1 repair, 2 skip."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < N
-    g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
-    if COUNT:
-        n_nan, n_inf = block_counts(g, mask)
-        add_counts(COUNTS, n_nan, n_inf)
-    go = True
-    if HAS_FLAG:
-        go = tl.load(FLAG) == 0
+    offsets, mask, g, go = load_grad_block(G, COUNTS, FLAG, N, COUNT, HAS_FLAG, BLOCK)
     if go:
         buf = tl.load(BUF + offsets, mask=mask, other=0.0).to(tl.float32)
         new = buf + (1.0 - beta) * (g - buf)
@@ -59,15 +51,8 @@ def momentum_update_(buf: torch.Tensor, grad: torch.Tensor, counters: torch.Tens
     n = buf.numel()
     if n == 0:
         return
-    count = counters is not None and code != 0
     with on_device(buf):
-        flag = None
-        if code == 2:
-            if skip_flag is None:
-                flag = count_nonfinite(grad, counters if count else None)[2:]
-                count = False
-            else:
-                flag = skip_flag
+        flag, count = skip_flag_and_count(code, grad, counters, skip_flag)
         block, warps = elementwise_block()
         _momentum_kernel[(triton.cdiv(n, block),)](
             buf, grad, counters if count else buf, buf if flag is None else flag, n, float(beta), POLICY=code,
@@ -80,15 +65,11 @@ def momentum_update_reference_(buf: torch.Tensor, grad: torch.Tensor, counters: 
     """Pure-torch oracle of :func:`momentum_update_` (same signature and semantics, fp32 math, no sync)."""
     code = policy_code(policy)
     g = grad.float()
-    finite = torch.isfinite(g)
-    if counters is not None and code != 0:
-        counters[0] += torch.isnan(g).sum()
-        counters[1] += torch.isinf(g).sum()
+    finite, skip = reference_counts_and_skip(g, counters, code, skip_flag)
     old = buf.float()
     new = old + (1.0 - beta) * (g - old)
     if code == 1:
         new = torch.where(finite, new, old)
     elif code == 2:
-        skip = ~finite.all() if skip_flag is None else skip_flag.reshape(()) != 0
         new = torch.where(skip, old, new)
     buf.copy_(new)
