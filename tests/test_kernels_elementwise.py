@@ -16,17 +16,14 @@ What is pinned down, beyond "matches the reference":
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import assert_interpreted_suite_passes
 
 pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 N = 1000  # 4 interpreter blocks of 256, the last one partial
@@ -227,13 +224,7 @@ if INTERPRETED:
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               str(Path(__file__).resolve())], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-        summary = [line for line in proc.stdout.splitlines() if line.strip()][-1]
-        assert " passed" in summary and "skipped" not in summary, summary
+        assert_interpreted_suite_passes(__file__, timeout=600)
 
     test_gpu_adamw_matches_reference, test_gpu_adamw_semantics, test_gpu_momentum = _define(
         "cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")))

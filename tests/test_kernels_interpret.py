@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreted import assert_interpreted_suite_passes
 
 pytest.importorskip("triton")
 
@@ -242,13 +243,7 @@ if INTERPRETED:
 else:
     def test_interpreter_suite():
         """Run the cases above under TRITON_INTERPRET=1 in a fresh process (see the module docstring)."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               str(Path(__file__).resolve())], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=900)
-        assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-        summary = [line for line in proc.stdout.splitlines() if line.strip()][-1]
-        assert " passed" in summary and "skipped" not in summary, summary
+        assert_interpreted_suite_passes(__file__, timeout=900)
 
     def test_package_works_without_triton():
         """With triton unimportable, ``nonans_optim.kernels`` still imports and says so; ns5 falls back."""

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import nonans_optim
 from nonans_optim.watch import Watch, watch
 
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from ..functional.spike import spike_scale
-from ..resolution import STAGE_INDEX, STAGES, finite_mask  # |x| < inf: one vectorised compare once compiled
+from ..resolution import STAGES, finite_mask  # |x| < inf: one vectorised compare once compiled
 
 __all__ = ["compiled_scalar_update", "compile_available", "compiled", "count", "nonfinite_counts",
            "guard_spikes", "stage_rows"]

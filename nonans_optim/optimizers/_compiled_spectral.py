@@ -31,7 +31,7 @@ from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..resolution import finite_mask
 from ..routing import matrix_shape
-from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
+from ._compiled import (compile_available, compiled, guard_spikes, host_steps, nonfinite_counts,
                         report_failure, resolution_args, stage_rows)
 
 __all__ = ["compiled_spectral_update", "supports"]
@@ -102,10 +102,10 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
 
 def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, buckets, *, gate: bool,
           ns5: bool, normuon: bool, sf: bool, decay: bool):
-    """Direction side: NorMuon / RMS match, the update, the guard and the counts. hp = [β₂ᴺ, 1-β₂ᴺ, εᴺ,
-    λ, c, β(1-c)-1]. The NorMuon row gate (rows whose gradient was entirely finite) is computed here, in
+    """Direction side: NorMuon / RMS match, the update, the guard and the counts. hp = [1-β₂ᴺ, εᴺ, λ,
+    c, β(1-c)-1]. The NorMuon row gate (rows whose gradient was entirely finite) is computed here, in
     the row-wise loop that reduces O² anyway, not in the pre-graph's flat loops."""
-    b2, one_m_b2, eps, wd, c, coef = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5]
+    one_m_b2, eps, wd, c, coef = hp[0], hp[1], hp[2], hp[3], hp[4]
     n = len(params)
     Us: list[Any] = [None] * n
     dir_counts: list[Any] = [None] * n
@@ -219,7 +219,7 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     hp_pre = _to(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
                                group["mona_alpha"]], dtype=torch.float32), device)
     coef = group["sf_beta"] * (1 - c) - 1
-    hp_post = _to(torch.tensor([group["normuon_beta2"], 1 - group["normuon_beta2"], group["normuon_eps"],
+    hp_post = _to(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"],
                                 group["weight_decay"], c, coef], dtype=torch.float32), device)
     bufs = [st["momentum_buffer"].view(s) for st, s in zip(states, shapes)]
     prevs = [st["mona_prev_grad"].view(s) for st, s in zip(states, shapes)] if mona else None

@@ -1,0 +1,23 @@
+"""Run a kernel test file again under ``TRITON_INTERPRET=1`` in a fresh process.
+
+Triton reads the variable when its modules are imported, so it cannot be switched on inside the shared
+pytest process; each kernel test file re-runs itself this way on machines without CUDA."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def assert_interpreted_suite_passes(test_file: str, *, timeout: int) -> None:
+    """Every case of ``test_file`` passes under the interpreter, and none is skipped there."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(Path(test_file).resolve())], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    summary = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    assert " passed" in summary and "skipped" not in summary, summary
