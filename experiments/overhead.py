@@ -1,6 +1,7 @@
 """``python -m experiments overhead`` — what ``resolution="repair"`` costs on clean steps (issue 3).
 
-For every optimizer (AdamW foreach and compiled, SFAdamW, SFNorMuon foreach and compiled, FullFusion, Muon) two arms that differ
+For every optimizer (AdamW foreach, compiled and fused — the last also without the spike guard —, SFAdamW
+foreach and fused, SFNorMuon foreach and compiled, FullFusion, Muon) two arms that differ
 only in the policy, "repair" and "off", run side by side in interleaved rounds (warm-up first, medians):
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
@@ -34,7 +35,12 @@ LR = 1e-3
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "AdamW (foreach)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol),
     "AdamW (compiled)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="compiled"),
+    "AdamW (fused)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
+    # the same, without the spike guard: what the guard's read-only pre-pass over g costs
+    "AdamW (fused, spike_factor=None)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol,
+                                                                impl="fused", spike_factor=None),
     "SFAdamW": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol),
+    "SFAdamW (fused)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
     "SFNorMuon": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol),
     "SFNorMuon (compiled)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
                                                         impl="compiled"),

@@ -160,9 +160,11 @@ def _our_factories() -> dict[str, Callable]:
     return {
         "ours AdamW (foreach, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR),
         "ours AdamW (compiled, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR, impl="compiled"),
+        "ours AdamW (fused, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR, impl="fused"),
         "ours SFAdamW (foreach, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR),
         "ours SFAdamW (compiled, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR,
                                                                       impl="compiled"),
+        "ours SFAdamW (fused, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR, impl="fused"),
         "ours SFNorMuon (foreach, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR),
         "ours SFNorMuon (compiled, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR, impl="compiled"),
         "ours FullFusion (foreach, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR),

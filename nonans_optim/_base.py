@@ -51,6 +51,8 @@ class NonansOptimizer(Optimizer):
     #: True when any parameter takes a schedule-free path (then train()/eval() swap y ↔ x).
     _schedule_free: bool = False
     _uses_polyak: bool = False
+    #: implementations this optimizer accepts for ``impl=``.
+    _impls: tuple[str, ...] = ("loop", "foreach", "compiled")
 
     def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
                  spike_factor: float | None = None):
@@ -62,8 +64,8 @@ class NonansOptimizer(Optimizer):
         if "eps" in defaults:
             _check_float("eps", defaults["eps"])
         check_policy(resolution)
-        if impl not in ("loop", "foreach", "compiled"):
-            raise ValueError(f"impl must be 'loop', 'foreach' or 'compiled', got {impl!r}")
+        if impl not in self._impls:
+            raise ValueError(f"impl must be one of {self._impls} for {type(self).__name__}, got {impl!r}")
         self.resolution_policy, self.impl = resolution, impl
         super().__init__(params, defaults)
         seen: set[int] = set()
@@ -205,14 +207,14 @@ class NonansOptimizer(Optimizer):
                "guard_in_kernel": False,
                "spike_factor": self.spike_factor if res is not None else None}
         self._pending_loss = None
-        ctx["recent"] = res.recent() if res is not None else None
+        ctx["recent"] = None  # Resolution.recent(), computed on first use (_common.recent_flags)
         self._before_groups(ctx)
         for group in self.param_groups:
             self._step_group(group, ctx)
             ctx["index"] += len(group["params"])
         if res is not None:
-            res.record_step(st["step"], self._assemble_counts(ctx, res.num_params,
-                                                              res.tensors["scale"].device))
+            res.record_step(st["step"], self._assemble_counts(ctx, res.num_params, res.tensors["scale"].device),
+                            native=self.impl == "fused")
         return loss
 
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
@@ -229,7 +231,10 @@ class NonansOptimizer(Optimizer):
         return dict(zip(js, guarded))
 
     def _guard_in_kernel(self) -> bool:
-        """True when impl="compiled" can run: its kernels apply the spike guard themselves."""
+        """True when impl="compiled" can run, and always for impl="fused": their kernels apply the spike
+        guard themselves (and a fallback to eager applies it there, see ``compiled_scalar_update``)."""
+        if self.impl == "fused":
+            return True
         if self.impl != "compiled":
             return False
         from .optimizers._compiled import compile_available

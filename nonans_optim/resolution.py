@@ -139,8 +139,18 @@ class Resolution:
         t = self.tensors
         return (t["clean_streak"] < self.repeat_window) & (t["events"].sum(-1) > 0)
 
-    def record_step(self, step: int, step_counts: torch.Tensor) -> None:
-        """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state."""
+    def record_step(self, step: int, step_counts: torch.Tensor, *, native: bool = False) -> None:
+        """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state.
+
+        ``native``: do it in the C loop of :mod:`nonans_optim.native` when it is available and the tensors
+        are on the CPU (``impl="fused"``: there these twenty small ops cost more than the repair itself);
+        the torch code below is the ground truth it is tested against."""
+        if native:
+            from . import native as _native
+            if _native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
+                                   min_scale=self.min_scale, growth_interval=self.growth_interval,
+                                   repeat_window=self.repeat_window):
+                return
         t = self.tensors
         stage_event = step_counts.sum(-1) > 0  # (P, S)
         param_event = stage_event.any(-1)  # (P,)

@@ -33,7 +33,20 @@ INFOS = [
     OptimInfo("Fusion-mona", no.Fusion, {"lr": 1e-2, "components": ("ns5", "mona")},
               ("momentum_buffer", "mona_prev_grad", "mona_diff_avg", "exp_avg", "exp_avg_sq")),
 ]
+# The native fused loop (impl="fused", nonans_optim/native) through the whole generic suite as well.
+INFOS += [OptimInfo(f"{i.name}-fused", i.cls, {**i.kwargs, "impl": "fused"}, i.moment_keys, i.schedule_free)
+          for i in INFOS if "fused" in i.cls._impls]
 IDS = [i.name for i in INFOS]
+
+
+def impl_cases(impls: tuple[str, ...]) -> list[tuple[OptimInfo, str]]:
+    """(info, impl) pairs for tests parametrised by implementation: every info under each of ``impls``,
+    except an info that fixes its own ``impl``, which runs under that one only."""
+    return [(i, impl) for i in INFOS for impl in ((i.kwargs["impl"],) if "impl" in i.kwargs else impls)]
+
+
+def impl_ids(cases: list[tuple[OptimInfo, str]]) -> list[str]:
+    return [f"{i.name}-{impl}" if "impl" not in i.kwargs else i.name for i, impl in cases]
 
 
 class TinyNet(nn.Module):

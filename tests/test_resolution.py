@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nonans_optim as no
-from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tensors, train_steps
+from optim_infos import IDS, INFOS, impl_cases, impl_ids, loss_fn, make_batch, make_model, state_tensors, train_steps
 
 BAD = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
@@ -54,9 +54,11 @@ def make_injector(spec, model):
     return inject, log
 
 
-@pytest.mark.parametrize("impl", ["loop", "foreach"])
+EAGER_CASES = impl_cases(("loop", "foreach"))
+
+
 @pytest.mark.parametrize("policy", ["repair", "skip"])
-@pytest.mark.parametrize("info", INFOS, ids=IDS)
+@pytest.mark.parametrize("info, impl", EAGER_CASES, ids=impl_ids(EAGER_CASES))
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=injection)
 def test_invariant_under_random_injection(info, policy, impl, spec):
@@ -127,8 +129,7 @@ def test_skip_leaves_affected_tensor_untouched(info):
     assert opt.events[0].action == "skipped"
 
 
-@pytest.mark.parametrize("info", INFOS, ids=IDS)
-@pytest.mark.parametrize("impl", ["loop", "foreach"])
+@pytest.mark.parametrize("info, impl", EAGER_CASES, ids=impl_ids(EAGER_CASES))
 def test_clean_steps_identical_to_off(info, impl):
     models = [make_model() for _ in range(2)]
     opts = [info.make(m.named_parameters(), resolution=r, impl=impl) for m, r in zip(models, ("repair", "off"))]
@@ -233,9 +234,11 @@ def test_one_percent_faulty_steps_end_near_the_clean_run():
     assert off != off  # NaN
 
 
+GPU_CASES = impl_cases(("foreach", "compiled"))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["foreach", "compiled"])
-@pytest.mark.parametrize("info", INFOS, ids=IDS)
+@pytest.mark.parametrize("info, impl", GPU_CASES, ids=impl_ids(GPU_CASES))
 def test_no_host_sync_in_step_on_gpu(info, impl):
     model = make_model().cuda()
     opt = info.make(model.named_parameters(), impl=impl)

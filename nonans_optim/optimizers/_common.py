@@ -7,7 +7,8 @@ import torch
 
 from ..resolution import STAGE_INDEX, STAGES, inspect
 
-__all__ = ["record", "dense_counts", "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
+__all__ = ["record", "dense_counts", "recent_flags", "take_snapshot", "hold_flag", "commit_update",
+           "restore_if_bad"]
 
 
 def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
@@ -27,6 +28,14 @@ def dense_counts(ctx: dict[str, Any], device: torch.device) -> torch.Tensor:
     return ctx["dense"]
 
 
+def recent_flags(ctx: dict[str, Any]) -> torch.Tensor:
+    """(P,) bool ``Resolution.recent()`` for this step, computed once and only by the paths that need it
+    (the fused kernel reads the counters itself)."""
+    if ctx["recent"] is None:
+        ctx["recent"] = ctx["resolution"].recent()
+    return ctx["recent"]
+
+
 def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:
     """Copies of every parameter and state tensor ("skip" policy: restored when a gradient was bad)."""
     return [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"}) for p, st in zip(params, states)]
@@ -36,7 +45,7 @@ def hold_flag(ctx: dict[str, Any], index: int, grad_counts: torch.Tensor, numel:
     """0-d bool: this tensor's gradient had no finite entry *and* the parameter had an event within the
     repeat window — a persistent loss of observations, where continuing from momentum only drifts.
     An isolated whole-tensor event still takes its continuation step (DESIGN.md contract item 2)."""
-    return ctx["recent"][index] & (grad_counts.sum() == numel)
+    return recent_flags(ctx)[index] & (grad_counts.sum() == numel)
 
 
 def _guarded_write(dst: torch.Tensor, new: torch.Tensor, hold: torch.Tensor | None) -> torch.Tensor:

@@ -231,13 +231,13 @@ def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: t
 
 def resolution_args(ctx: dict[str, Any], indices: list[int], device: torch.device):
     """(sel, res tuple, spike factor) for a kernel call; (None, None, None) under "off"."""
-    from ._common import dense_counts
+    from ._common import dense_counts, recent_flags
     res = ctx["resolution"]
     if res is None:
         return None, None, None
     t = res.tensors
     sel = ctx["device_indices"](indices, t["scale"].device)
-    return sel, (t["scale"], ctx["recent"], t["grad_norm_ema"], dense_counts(ctx, device)), ctx["spike_factor"]
+    return sel, (t["scale"], recent_flags(ctx), t["grad_norm_ema"], dense_counts(ctx, device)), ctx["spike_factor"]
 
 
 def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],

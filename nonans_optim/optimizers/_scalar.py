@@ -22,6 +22,7 @@ from ..functional.schedule_free import sf_update_
 from ..resolution import finite_mask
 from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled import compiled_scalar_update
+from ._fused import fused_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
 
@@ -40,6 +41,8 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
                   indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                   gamma: torch.Tensor, c: float, impl: str) -> None:
     """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak)."""
+    if impl == "fused":
+        return fused_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     if impl == "compiled":
         return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy

@@ -19,6 +19,7 @@ __all__ = ["AdamW", "SFAdamW"]
 
 class _ScalarOnly(NonansOptimizer):
     _sf = False
+    _impls = ("loop", "foreach", "compiled", "fused")
 
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         params, grads, states, indices = [], [], [], []
@@ -44,7 +45,10 @@ class AdamW(_ScalarOnly):
     """AdamW (Loshchilov & Hutter 2019) that repairs NaN/Inf gradients inside ``step()``.
 
     Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
-    ``impl`` is ``"foreach"`` (default) or ``"loop"`` (the readable ground truth); ``warmup_steps`` ramps
+    ``impl`` is ``"foreach"`` (default), ``"loop"`` (the readable ground truth), ``"compiled"``
+    (torch.compile) or ``"fused"`` (one native CPU loop per step for contiguous fp32 CPU tensors, built with
+    the system C compiler on first use; everything else runs ``"compiled"``: see
+    :mod:`nonans_optim.optimizers._fused`); ``warmup_steps`` ramps
     the lr linearly over the first steps (0: off); ``spike_factor`` rescales a finite gradient whose norm
     exceeds that multiple of its running mean (default 10, chosen by ``python -m experiments spikes``;
     None: off; see :mod:`nonans_optim.functional.spike`)."""

@@ -1,0 +1,147 @@
+"""The native CPU kernel behind ``impl="fused"``: built from ``scalar_step.c`` with the system C compiler
+on first use, cached, and loaded with ctypes.
+
+Why C and not torch.compile: inductor (torch 2.13) turns the (SF-)AdamW + resolution graph into several
+passes per tensor on CPU and takes each event count as its own reduction, which left the compiled step at
+3.3x torch's fused AdamW (RESULTS.md, "step-time"). A hand-written loop reads each entry once and counts in
+registers, the way torch's fused CPU kernel works. Plain C with pointers, not a torch C++ extension: it
+needs no torch headers and no ninja, builds in about a second, and cannot break with torch's C++ ABI.
+
+Build: ``$CC`` (else ``cc``/``gcc``/``clang``) with ``-O3 -march=native -fopenmp -ffp-contract=off``; without
+OpenMP it retries single-threaded, without ``-march=native`` generic. OpenMP is linked as ``libgomp.so.1``,
+the soname torch's CPU wheels ship, so the kernel shares torch's thread pool rather than starting a second
+one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default ``~/.cache/nonans_optim``), keyed by
+the source, the flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
+run on another CPU sharing the home directory).
+
+``NONANS_NATIVE=0`` disables it. When it cannot be built, :func:`library` returns None, :func:`failure`
+says why, and ``impl="fused"`` warns once and runs ``impl="compiled"``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["library", "failure", "record_step", "SOURCE"]
+
+SOURCE = Path(__file__).with_name("scalar_step.c")
+_BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+# Tried in order: the first that compiles wins.
+_VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+_FAILURE: list[str] = []
+
+
+def failure() -> str | None:
+    """Why the native kernel is unavailable in this process (None while it is available or untried)."""
+    return _FAILURE[0] if _FAILURE else None
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NONANS_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "nonans_optim"
+
+
+def _build(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compile to a temporary file and move it into place (atomic: concurrent processes may race)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        return f"{' '.join(cmd)}: {proc.stderr.strip()[-400:]}"
+    os.replace(tmp, out)
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    f = lib.nonans_scalar_step
+    ptr, pp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    i32, i64, f32, f64 = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+    f.argtypes = [i64, pp, pp, pp, pp, pp, pp, ptr, ptr, f64, f64, ptr, i32, i32, i32, f32, f32, f32,
+                  ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    f.restype = ctypes.c_int
+    r = lib.nonans_record_step
+    i64, f32 = ctypes.c_int64, ctypes.c_float
+    r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 9
+    r.restype = None
+    return lib
+
+
+_RECORD_KEYS = ("counts", "events", "ring_counts", "ring_step", "ring_escalated", "ring_ptr", "scale",
+                "clean_streak", "escalations")
+
+
+def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_scale: float,
+                growth_interval: int, repeat_window: int) -> bool:
+    """``Resolution.record_step`` in one C loop, in place; False (nothing done) unless the library is
+    available and every tensor is a contiguous CPU tensor of the expected dtype."""
+    lib = library()
+    if lib is None:
+        return False
+    import torch  # deferred: this module is imported by the optimizers, torch is already loaded then
+
+    args = [tensors[k] for k in _RECORD_KEYS]
+    if not all(t.is_cpu and t.is_contiguous() for t in (*args, step_counts)) \
+            or step_counts.dtype != torch.int64 or tensors["scale"].dtype != torch.float32 \
+            or tensors["ring_escalated"].dtype != torch.bool:
+        return False
+    P, K = tensors["scale"].shape[0], tensors["ring_step"].shape[0]
+    lib.nonans_record_step(P, K, step_counts.data_ptr(), step, backoff, min_scale, growth_interval,
+                           repeat_window, *[t.data_ptr() for t in args])
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None when it cannot be built (see :func:`failure`)."""
+    if os.environ.get("NONANS_NATIVE", "1") == "0":
+        _FAILURE.append("disabled by NONANS_NATIVE=0")
+        return None
+    cc = _compiler()
+    if cc is None:
+        _FAILURE.append("no C compiler found (set $CC)")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+        errors = []
+        for flags in _VARIANTS:
+            key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu_flags(), platform.machine(),
+                                            *_BASE_FLAGS, *flags]).encode()).hexdigest()[:20]
+            out = _cache_dir() / f"scalar_step-{key}.so"
+            err = None if out.exists() else _build(cc, flags, out)
+            if err is None:
+                return _declare(ctypes.CDLL(str(out)))
+            errors.append(err)
+        _FAILURE.append("the C compiler failed: " + errors[0])
+    except OSError as err:  # unwritable cache directory, a library that does not load
+        _FAILURE.append(f"{type(err).__name__}: {err}")
+    return None

@@ -1,0 +1,307 @@
+/* One fused (SF-)AdamW step with the resolution stage, for contiguous fp32 CPU tensors.
+ *
+ * The readable ground truth is nonans_optim/optimizers/_scalar.py (impl="loop"); the arithmetic below is
+ * the one of optimizers/_compiled.py::_one_tensor, written once more as a C loop because inductor (torch
+ * 2.13, CPU) splits that graph into several passes per tensor and runs the counts as separate reductions.
+ * Here every entry is read once and written once, and the detection and the event counts ride along in
+ * registers, which is how torch's own fused CPU AdamW (aten/src/ATen/native/cpu/FusedAdamKernel.cpp)
+ * reaches memory bandwidth.
+ *
+ * Passes over a tensor:
+ *   1. only when a decision must precede any write (the spike guard needs the gradient's norm, "skip"
+ *      needs to know whether any entry is bad, the hold rule whether *every* entry is bad): the sum of
+ *      squares (in double: no overflow for any fp32 input) and the non-finite count of g. Each thread
+ *      reads the same range in pass 2, which it has just pulled into its L2 cache;
+ *   2. the update: gate, moments, direction, parameter, last-line update guard, counts.
+ *
+ * Compiled with -ffp-contract=off (no FMA contraction): a clean "repair" step must be bit-identical to
+ * "off", and both run this same code, so the only difference may be the selects, which change nothing
+ * on a clean entry. Build and loading: nonans_optim/native/__init__.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { POLICY_OFF = 0, POLICY_REPAIR = 1, POLICY_SKIP = 2 };
+/* Stage rows of the (P, S, 2) count block: the order of nonans_optim.resolution.STAGES. */
+enum { ST_GRAD = 0, ST_MOMENT = 1, ST_UPDATE = 3, ST_SPIKE = 5, NSTAGE = 6 };
+enum { NCOUNT = 5 };          /* per tensor: grad nan, grad non-finite, v overflow, update nan, update non-finite */
+#define BLOCK 16384           /* int32 counters per block, flushed to int64: no overflow at any size */
+
+static inline int finitef_(float x) { return fabsf(x) < INFINITY; }
+
+/* torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m. */
+static inline float lerpf_(float a, float b, float w) {
+    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+typedef struct {
+    float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
+} hyper_t;
+
+/* Pass 2 over [lo, hi) of one tensor. sf/gate/decay_z are compile-time constants at every call site,
+ * so the compiler emits one straight vector loop per variant. */
+static inline __attribute__((always_inline)) void update_range(
+        const int sf, const int gate, const int decay_z,
+        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
+        int64_t lo, int64_t hi, float s, float lr, float bc1, float bc2, const hyper_t h,
+        int hold, int keep_all, int64_t *out) {
+    const float wdf = 1.0f - lr * h.wd, lrc = lr * h.coef;
+    int64_t tot[NCOUNT] = {0, 0, 0, 0, 0};
+    for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
+        const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
+        int gn = 0, gb = 0, ov = 0, un = 0, ub = 0;
+#pragma omp simd reduction(+ : gn, gb, ov, un, ub)
+        for (int64_t j = b0; j < b1; j++) {
+            const float gr = g[j];
+            const int ok = finitef_(gr);
+            const float gs = gr * s; /* s == 1.0f exactly unless the spike guard fired */
+            const float vo = v[j];
+            const float g2 = h.one_m_b2 * gs * gs;
+            float vn = vo * h.b2 + g2;
+            float mo = 0.0f, mn, zo = 0.0f, zn = 0.0f, y;
+            if (sf) {
+                mn = gate ? (ok ? gs : 0.0f) : gs; /* no first moment: a missing entry moves nothing */
+            } else {
+                mo = m[j];
+                mn = lerpf_(mo, gate ? (ok ? gs : mo) : gs, h.one_m_b1); /* missing: m keeps its value */
+            }
+            if (gate) vn = finitef_(vn) ? vn : vo;
+            const float denom = sqrtf(vn / bc2) + h.eps;
+            float d = sf ? mn / denom : (mn / bc1) / denom;
+            const float po = p[j];
+            if (sf) {
+                zo = z[j];
+                if (decay_z) d = d + zo * h.wd;
+                y = lerpf_(po, zo, h.c) + d * lrc;
+                zn = zo - d * lr;
+            } else {
+                y = po * wdf - lr * d;
+            }
+            if (gate) {
+                gn += gr != gr;
+                gb += !ok;
+                ov += ok & !finitef_(g2);
+                un += y != y;
+                ub += !finitef_(y);
+                y = (finitef_(y) & !hold) ? y : po;
+                if (sf) {
+                    un += zn != zn;
+                    ub += !finitef_(zn);
+                    zn = (finitef_(zn) & !hold) ? zn : zo;
+                }
+                if (keep_all) { /* "skip": the tensor had a bad entry; counted, nothing written */
+                    y = po;
+                    vn = vo;
+                    mn = mo;
+                    zn = zo;
+                }
+            }
+            p[j] = y;
+            v[j] = vn;
+            if (sf) z[j] = zn; else m[j] = mn;
+        }
+        tot[0] += gn; tot[1] += gb; tot[2] += ov; tot[3] += un; tot[4] += ub;
+    }
+    if (hold) tot[3] = tot[4] = 0; /* a held tensor writes nothing, so it counts no update */
+    for (int k = 0; k < NCOUNT; k++) out[k] = tot[k];
+}
+
+/* Pass 1: sum of squares and non-finite count of g over [lo, hi). fp32 lane accumulators flushed to a
+ * double every block: the vector loop stays at full width (a double accumulator halves it and made this
+ * pass compute-bound), and the fp32 partial can only overflow for a block whose own squares sum past
+ * fp32's maximum — where the fp32 norms of the other implementations overflow too. */
+static void grad_stats(const float *restrict g, int64_t lo, int64_t hi, double *ss, int64_t *bad) {
+    double acc = 0.0;
+    int64_t nb = 0;
+    for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
+        const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
+        float part = 0.0f;
+        int nbb = 0;
+#pragma omp simd reduction(+ : part, nbb)
+        for (int64_t j = b0; j < b1; j++) {
+            const float x = g[j];
+            part += x * x;
+            nbb += !finitef_(x);
+        }
+        acc += part;
+        nb += nbb;
+    }
+    *ss = acc;
+    *bad = nb;
+}
+
+/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor, in fp32. */
+static float spike_(float norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
+    const int fin = finitef_(norm), seeded = ema > 0.0f;
+    const float cap = factor * ema;
+    const int t = fin && seeded && norm > cap;
+    const float observed = t ? cap : norm;
+    *new_ema = fin ? (seeded ? ema * beta + one_m_beta * observed : norm) : ema;
+    *trig = t;
+    return t ? cap / norm : 1.0f;
+}
+
+/* One step over n tensors. Returns 0, or 1 when scratch memory could not be allocated (nothing written).
+ *
+ * step: the n fp32 state['step'] scalars, advanced here, and the bias corrections 1-β₁ᵗ, 1-β₂ᵗ computed
+ * from them in double and rounded once (what the Python paths do with host floats); hp: the seven fp32
+ * hyperparameters of hyper_t; gamma: the 0-d step size (lr · warmup · Polyak). Resolution tensors, all
+ * indexed by sel (the global parameter index) and NULL under "off": scale (escalation multiplier of the
+ * step size), clean_streak and events (the hold rule's "recent event", Resolution.recent), ema (spike
+ * guard; factor <= 0: no guard) and the (P, S, 2) count block dense. */
+int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, float **z, float **step,
+                       const int64_t *numel, const float *gamma, double beta1, double beta2, const float *hp,
+                       int policy, int sf, int decay_z, float factor, float beta, float one_m_beta, float *ema,
+                       const int64_t *sel, const float *scale, const int64_t *clean_streak,
+                       const int64_t *events, int64_t repeat_window, int64_t *dense, int nthreads) {
+    const int T = nthreads > 0 ? nthreads : 1;
+    const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
+    const hyper_t h = {hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]};
+    int64_t *cnt = calloc((size_t)(n * T * NCOUNT + n * T + 1), sizeof(int64_t));
+    double *ss = calloc((size_t)(n * T + 1), sizeof(double));
+    float *new_ema = calloc((size_t)(n + 1), sizeof(float));
+    int *trig = calloc((size_t)(n + 1), sizeof(int));
+    if (!cnt || !ss || !new_ema || !trig) {
+        free(cnt); free(ss); free(new_ema); free(trig);
+        return 1;
+    }
+    int64_t *bad1 = cnt + n * T * NCOUNT;
+    /* Per-tensor scalars, before any thread starts: the step count, bias corrections, step size, and
+     * whether the parameter had an event within the repeat window (the hold rule's precondition). */
+    float *lr = calloc((size_t)(3 * n + 1), sizeof(float));
+    uint8_t *recent = calloc((size_t)(n + 1), 1);
+    if (!lr || !recent) {
+        free(cnt); free(ss); free(new_ema); free(trig); free(lr); free(recent);
+        return 1;
+    }
+    float *bc = lr + n;
+    for (int64_t i = 0; i < n; i++) {
+        const float t = *step[i] + 1.0f;
+        *step[i] = t;
+        bc[2 * i] = (float)(1.0 - pow(beta1, (double)t));
+        bc[2 * i + 1] = (float)(1.0 - pow(beta2, (double)t));
+        lr[i] = scale != NULL ? *gamma * scale[sel[i]] : *gamma;
+        if (gate && clean_streak != NULL) {
+            int64_t ev = 0;
+            for (int s = 0; s < NSTAGE; s++) ev += events[sel[i] * NSTAGE + s];
+            recent[i] = clean_streak[sel[i]] < repeat_window && ev > 0;
+        }
+    }
+#pragma omp parallel num_threads(T)
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int tid = 0, nt = 1;
+#endif
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t N = numel[i];
+            if (N == 0) continue;
+            const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
+            const float *gi = g[i];
+            /* The same decision on every thread (all read the same inputs), so either all or none reach
+             * the barrier. The hold rule needs a pre-pass only when the first entry is already bad. */
+            const int rec = policy == POLICY_REPAIR && recent[i];
+            const int need1 = policy == POLICY_SKIP || guard || (rec && !finitef_(gi[0]));
+            float s = 1.0f;
+            int hold = 0, keep_all = 0;
+            if (need1) {
+                grad_stats(gi, lo, hi, &ss[i * T + tid], &bad1[i * T + tid]);
+#pragma omp barrier
+                double tot = 0.0;
+                int64_t nbad = 0;
+                for (int t = 0; t < nt; t++) { tot += ss[i * T + t]; nbad += bad1[i * T + t]; }
+                if (guard) { /* ema is only written after the parallel region: every thread reads the old value */
+                    float ne;
+                    int tr;
+                    s = spike_((float)sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
+                    if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
+                }
+                hold = policy == POLICY_REPAIR && rec && nbad == N;
+                keep_all = policy == POLICY_SKIP && nbad > 0;
+            }
+            int64_t *out = &cnt[(i * T + tid) * NCOUNT];
+            const float l = lr[i], b1c = bc[2 * i], b2c = bc[2 * i + 1];
+            float *zi = sf ? z[i] : NULL, *mi = sf ? NULL : m[i];
+            if (sf) {
+                if (!gate && decay_z) update_range(1, 0, 1, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, 0, 0, out);
+                else if (!gate) update_range(1, 0, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, 0, 0, out);
+                else if (decay_z) update_range(1, 1, 1, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, out);
+                else update_range(1, 1, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, out);
+            } else {
+                if (!gate) update_range(0, 0, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, 0, 0, out);
+                else update_range(0, 1, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, out);
+            }
+        }
+    }
+    if (gate && dense != NULL) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t c[NCOUNT] = {0, 0, 0, 0, 0};
+            for (int t = 0; t < T; t++)
+                for (int k = 0; k < NCOUNT; k++) c[k] += cnt[(i * T + t) * NCOUNT + k];
+            int64_t *row = dense + sel[i] * NSTAGE * 2;
+            row[ST_GRAD * 2] += c[0];
+            row[ST_GRAD * 2 + 1] += c[1] - c[0];
+            row[ST_MOMENT * 2 + 1] += c[2];
+            row[ST_UPDATE * 2] += c[3];
+            row[ST_UPDATE * 2 + 1] += c[4] - c[3];
+            if (guard && numel[i] > 0) {
+                row[ST_SPIKE * 2 + 1] += trig[i];
+                ema[sel[i]] = new_ema[i];
+            }
+        }
+    }
+    free(cnt); free(ss); free(new_ema); free(trig); free(lr); free(recent);
+    return 0;
+}
+
+/* Resolution.record_step (nonans_optim/resolution.py, the ground truth; tests/test_fused.py checks that
+ * both leave identical tensors) for CPU tensors: about twenty small torch ops there, one loop here —
+ * on a 52-tensor model those ops cost more than the repair itself. Same order of operations, same fp32
+ * arithmetic on the scale (x·0.5, x·2 and the clamps are exact in any order). */
+void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_t step, float backoff,
+                        float min_scale, int64_t growth_interval, int64_t repeat_window, int64_t *counts,
+                        int64_t *events, int64_t *ring_counts, int64_t *ring_step, uint8_t *ring_escalated,
+                        int64_t *ring_ptr, float *scale, int64_t *clean_streak, int64_t *escalations) {
+    const int64_t slot = ((*ring_ptr % K) + K) % K; /* torch.remainder: non-negative for K > 0 */
+    int any = 0;
+    for (int64_t i = 0; i < P; i++) {
+        const int64_t *c = step_counts + i * NSTAGE * 2;
+        int param_event = 0, seen_before = 0;
+        for (int s = 0; s < NSTAGE; s++) {
+            param_event |= c[2 * s] + c[2 * s + 1] > 0;
+            seen_before |= events[i * NSTAGE + s] > 0;
+        }
+        const int64_t streak = clean_streak[i];
+        const int repeated = param_event && seen_before && streak < repeat_window;
+        const int grown = ((streak + 1) % growth_interval + growth_interval) % growth_interval == 0;
+        const float old = scale[i];
+        float ns = old;
+        if (repeated) {
+            ns = old * backoff;
+            ns = ns < min_scale ? min_scale : ns;
+        } else if (grown && !param_event) {
+            ns = old * 2.0f;
+            ns = ns > 1.0f ? 1.0f : ns;
+        }
+        const int escalated = repeated && ns < old;
+        escalations[i] += escalated;
+        clean_streak[i] = param_event ? 0 : streak + 1;
+        scale[i] = ns;
+        for (int s = 0; s < NSTAGE; s++) {
+            counts[(i * NSTAGE + s) * 2] += c[2 * s];
+            counts[(i * NSTAGE + s) * 2 + 1] += c[2 * s + 1];
+            events[i * NSTAGE + s] += c[2 * s] + c[2 * s + 1] > 0;
+            ring_counts[((slot * P + i) * NSTAGE + s) * 2] = c[2 * s];
+            ring_counts[((slot * P + i) * NSTAGE + s) * 2 + 1] = c[2 * s + 1];
+        }
+        ring_escalated[slot * P + i] = (uint8_t)escalated;
+        any |= param_event;
+    }
+    ring_step[slot] = step;
+    *ring_ptr += any;
+}

@@ -1,0 +1,88 @@
+"""impl="fused": the (SF-)AdamW + resolution step as one native CPU loop (:mod:`nonans_optim.native`).
+
+Semantics are those of ``impl="loop"`` (tests/test_fused.py compares parameters, state and event counts
+under NaN/Inf injection, the hold rule, "skip" and the spike guard): the C loop is the arithmetic of
+``_compiled._one_tensor`` line for line. What it changes is the memory traffic: one read of p, g, m, v and
+one write of p, m, v per entry, like torch's fused AdamW, with the detection and the counts in registers;
+a second, read-only pass over g only when a decision must come before any write (the spike guard's norm,
+"skip", the hold rule), and each thread re-reads the range it has just pulled into its own L2 cache.
+The per-tensor scalars (step counts, bias corrections, step sizes, the hold rule's "recent event") are
+computed in the same call: on a 52-tensor model, doing them as small torch ops cost more than the repair.
+
+Scope: contiguous fp32 CPU tensors (parameter, gradient, state, and an fp32 ``state['step']``). Any other
+group — CUDA, bf16, channels_last, a strided gradient — runs ``impl="compiled"`` with identical semantics,
+and so does everything when the kernel cannot be built (one warning). No host synchronisation: on CPU the
+tensors already live in host memory, and the kernel reads nothing the step has not already computed.
+"""
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any
+
+import torch
+
+from .. import native
+from ..functional.spike import SPIKE_BETA
+from ._common import dense_counts
+from ._compiled import compiled_scalar_update
+
+__all__ = ["fused_scalar_update"]
+
+_POLICY = {"off": 0, "repair": 1, "skip": 2}
+_WARNED: list[bool] = []
+
+
+def _pointers(tensors: list[torch.Tensor]):
+    """ctypes array of data pointers, or None unless every tensor is a contiguous fp32 CPU tensor (a
+    pointer to anything else — a CUDA address, a strided view — must never reach the C loop)."""
+    f32 = torch.float32
+    ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is f32 and t.is_contiguous()]
+    return (ctypes.c_void_p * len(ptrs))(*ptrs) if len(ptrs) == len(tensors) else None
+
+
+def _warn_unavailable() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(f"impl='fused': the native CPU kernel is unavailable ({native.failure()}); "
+                      "using impl='compiled'", RuntimeWarning, stacklevel=5)
+
+
+def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                        indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
+                        gamma: torch.Tensor, c: float) -> None:
+    """Drop-in for ``scalar_update(..., impl="loop")``: same arguments, same state and counts."""
+    lib = native.library() if params[0].is_cpu else None
+    ptrs = None
+    if lib is not None:
+        ptrs = [_pointers(x) for x in (params, grads, [st["z" if sf else "exp_avg"] for st in states],
+                                       [st["exp_avg_sq"] for st in states], [st["step"] for st in states])]
+    if lib is None or any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
+        if params[0].is_cpu and native.failure() is not None:
+            _warn_unavailable()
+        return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
+    p_ptr, g_ptr, second, v_ptr, step_ptr = ptrs
+    nulls = (ctypes.c_void_p * len(params))()
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    beta1, beta2 = group["betas"]
+    coef = group["sf_beta"] * (1 - c) - 1 if sf else 0.0
+    # fp32 exactly as the other implementations round them: host doubles, rounded once.
+    hp = (ctypes.c_float * 7)(1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef)
+    numel = (ctypes.c_int64 * len(params))(*[p.numel() for p in params])
+    res = ctx["resolution"]
+    ema = sel = scale = streak = events = dense = None
+    factor, window = 0.0, 0
+    if res is not None:
+        t = res.tensors
+        sel = ctx["device_indices"](indices, params[0].device).data_ptr()
+        ema, scale = t["grad_norm_ema"].data_ptr(), t["scale"].data_ptr()
+        streak, events = t["clean_streak"].data_ptr(), t["events"].data_ptr()
+        dense, window = dense_counts(ctx, params[0].device).data_ptr(), res.repeat_window
+        factor = ctx["spike_factor"] or 0.0
+    rc = lib.nonans_scalar_step(
+        len(params), p_ptr, g_ptr, nulls if sf else second, v_ptr, second if sf else nulls, step_ptr,
+        ctypes.addressof(numel), gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
+        int(sf), int(sf and group["weight_decay"] != 0), factor, SPIKE_BETA, 1 - SPIKE_BETA, ema, sel,
+        scale, streak, events, window, dense, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")

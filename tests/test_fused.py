@@ -1,0 +1,173 @@
+"""impl="fused" (the native C loop, nonans_optim/native) against impl="loop", the ground truth.
+
+Each case injects NaN, ±Inf, a g² overflow, a whole-tensor loss that repeats (the hold rule) and a finite
+spike (the spike guard), on tensors large enough that both threads of the C loop get a share, and compares
+parameters, every state buffer and the event counts. The native record_step is compared with the torch
+one on random count sequences. The generic suites (tests/test_optimizers.py, tests/test_resolution.py)
+run "AdamW-fused" and "SFAdamW-fused" too: resume, clean "repair" == "off", fault injection, and the rest.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nonans_optim as no
+from nonans_optim import native
+from nonans_optim.optimizers import _fused
+from nonans_optim.resolution import STAGES, Resolution
+from optim_infos import make_model, train_steps
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
+
+SHAPES = [(300, 70), (5,), (4, 3)]  # 21000 entries: split across threads; a vector; a tiny matrix
+STEPS = 7
+
+
+def _grads(step: int, gen):
+    gs = [torch.randn(s, generator=gen) for s in SHAPES]
+    if step == 1:
+        gs[0][0, 0], gs[0][150, 2], gs[0][299, 69] = float("nan"), float("inf"), float("-inf")
+    if step in (2, 3):
+        gs[1][:] = float("nan") if step == 2 else float("-inf")  # whole tensor, twice: hold on step 3
+    if step == 4:
+        gs[2][2, 1] = 3e38  # finite, but its square overflows fp32: the "moment" stage
+    if step == 5:
+        gs[0] *= 1e4  # a finite spike: the guard rescales it
+    if step == 6:
+        gs[0][0, 0] = float("nan")  # bad first entry on a parameter with a recent event: the pre-pass path
+    return gs
+
+
+def _run(cls, impl: str, policy: str, threads: int = 2, **kw):
+    torch.manual_seed(0)
+    params = [torch.randn(s, requires_grad=True) for s in SHAPES]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, resolution=policy, impl=impl, **kw)
+    gen = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t in range(STEPS):
+            for p, g in zip(params, _grads(t, gen)):
+                p.grad = g
+            opt.step()
+    finally:
+        torch.set_num_threads(before)
+    return params, opt
+
+
+def _events(opt):
+    return [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.escalated) for e in opt.events]
+
+
+@pytest.mark.parametrize("policy", ["repair", "skip", "off"])
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_fused_matches_loop(cls, policy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a silent fallback would fail here
+        ref, ref_opt = _run(cls, "loop", policy)
+        got, got_opt = _run(cls, "fused", policy)
+    for p, q in zip(ref, got):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert ref_opt.state[p].keys() == got_opt.state[q].keys()
+        for key in ref_opt.state[p]:
+            torch.testing.assert_close(got_opt.state[q][key], ref_opt.state[p][key], rtol=1e-5, atol=1e-6,
+                                       equal_nan=True)
+    if policy == "off":
+        assert not all(torch.isfinite(p).all() for p in got)  # stock arithmetic: the faults got through
+        return
+    assert all(torch.isfinite(p).all() for p in got)
+    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
+    for key in Resolution("repair", 1, torch.device("cpu")).tensors:
+        if key != "grad_norm_ema":
+            assert torch.equal(got_res[key], ref_res[key]), key
+    torch.testing.assert_close(got_res["grad_norm_ema"], ref_res["grad_norm_ema"], rtol=1e-5, atol=0)
+    stages = {e[2] for e in _events(got_opt)}
+    assert {"grad", "moment", "spike"} <= stages, stages  # every injected kind was seen
+    assert _events(got_opt) == _events(ref_opt)
+    if policy == "repair":  # the repeated whole-tensor loss held the vector on step 3 (4 with 1-based steps)
+        assert got_res["escalations"].sum() > 0
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_thread_count_does_not_change_results(cls):
+    """The loop is element-wise and each count is an exact integer, so 1 and 2 threads agree bit for bit
+    (the spike guard's norm is summed per thread; it only matters on a step where the guard fires, so
+    this run uses no spike)."""
+    runs = [_run(cls, "fused", "repair", threads=t, spike_factor=None) for t in (1, 2)]
+    for p, q in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(p, q)
+    assert _events(runs[0][1]) == _events(runs[1][1])
+
+
+def test_unsupported_tensors_run_compiled(monkeypatch):
+    """bf16 parameters and a non-contiguous gradient are not what the C loop indexes: those groups run
+    impl="compiled" (silently, with the same results), never a pointer into the wrong layout."""
+    calls = []
+    real = _fused.compiled_scalar_update
+    monkeypatch.setattr(_fused, "compiled_scalar_update", lambda *a, **k: calls.append(1) or real(*a, **k))
+    contiguous, transposed = (lambda p: torch.randn(p.shape)), (lambda p: torch.randn(p.shape[::-1]).t())
+    for make, dtype in ((contiguous, torch.bfloat16), (transposed, torch.float32)):
+        torch.manual_seed(0)
+        params = [torch.randn(6, 4, dtype=dtype, requires_grad=True) for _ in range(2)]
+        twins = [p.detach().clone().requires_grad_() for p in params]
+        opts = [no.AdamW(ps, lr=1e-2, impl=impl) for ps, impl in ((params, "fused"), (twins, "compiled"))]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            for _ in range(2):
+                for p, q in zip(params, twins):
+                    p.grad = make(p).to(dtype)
+                    q.grad = p.grad.clone()
+                for o in opts:
+                    o.step()
+        for p, q in zip(params, twins):
+            assert p.dtype == dtype and torch.equal(p, q)
+    assert len(calls) == 4  # every fused step went to the compiled path
+
+
+def test_unavailable_kernel_warns_once_and_runs_compiled(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "_FAILURE", ["simulated: no C compiler"])
+    monkeypatch.setattr(_fused, "_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="simulated"):
+        got, _ = _run(no.AdamW, "fused", "repair")
+    ref, _ = _run(no.AdamW, "compiled", "repair")
+    for p, q in zip(ref, got):
+        assert torch.equal(p, q)
+
+
+def test_builds_into_a_fresh_cache_and_reports_a_broken_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("NONANS_CACHE_DIR", str(tmp_path / "ok"))
+    lib = native.library.__wrapped__()
+    assert lib is not None and hasattr(lib, "nonans_scalar_step")
+    assert len(list((tmp_path / "ok").glob("scalar_step-*.so"))) == 1
+    monkeypatch.setenv("NONANS_CACHE_DIR", str(tmp_path / "broken"))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(native, "_compiler", lambda: "false")
+    monkeypatch.setattr(native, "_FAILURE", [])
+    assert native.library.__wrapped__() is None
+    assert "compiler failed" in native.failure()
+
+
+counts_seq = st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 4)),
+                               max_size=4), min_size=1, max_size=40)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq=counts_seq)
+def test_native_record_step_matches_torch(seq):
+    """Event ring, escalation (backoff, floor, growth) and counters: the C loop equals the torch ops."""
+    P = 4
+    kw = dict(ring_size=5, growth_interval=3, repeat_window=4, min_scale=2.0 ** -3)
+    ref, got = Resolution("repair", P, torch.device("cpu"), **kw), Resolution("repair", P, torch.device("cpu"), **kw)
+    for step, events in enumerate(seq, 1):
+        c = torch.zeros(P, len(STAGES), 2, dtype=torch.int64)
+        for p, s, n in events:
+            c[p, s] += torch.tensor([n, n // 2])
+        ref.record_step(step, c)
+        got.record_step(step, c, native=True)
+    for k in ref.tensors:
+        assert torch.equal(ref.tensors[k], got.tensors[k]), k
