@@ -167,6 +167,7 @@ def _our_factories() -> dict[str, Callable]:
         "ours SFAdamW (fused, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR, impl="fused"),
         "ours SFNorMuon (foreach, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR),
         "ours SFNorMuon (compiled, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR, impl="compiled"),
+        "ours SFNorMuon (fused, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR, impl="fused"),
         "ours FullFusion (foreach, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR),
         "ours FullFusion (compiled, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR,
                                                                             impl="compiled"),

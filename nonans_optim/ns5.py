@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 from einops import rearrange
 
+from nonans_optim._workspace import Workspace
 from nonans_optim.ns5_gram import iterate_gram
 
 __all__ = ["ns5", "hot_dtype", "normalise", "iterate", "iterate_reference", "KELLER_COEFFICIENTS", "GRAM_MIN_ASPECT"]
@@ -119,20 +120,28 @@ def normalise(G: torch.Tensor) -> torch.Tensor:
 
 
 def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *,
-                      tall: bool = False) -> torch.Tensor:
+                      tall: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
     """The NS iteration on a normalised, wide (m ≤ n) batch ``X`` of shape (B, m, n), in X's dtype.
 
     This is the torch reference and the oracle every kernel in ``nonans_optim.kernels`` is tested against;
-    kernels implement the same signature."""
+    kernels implement the same signature. ``workspace``: as in :func:`nonans_optim.ns5_gram.iterate_gram`
+    (``out=`` buffers reused across calls; the same arithmetic)."""
+    ws = workspace if workspace is not None else Workspace()
+    s = X.shape[-1] if tall else X.shape[-2]
+    small = (*X.shape[:-2], s, s)
     for a, b, c in coefficients:
+        A = ws.get("A", small, X)
+        B = ws.get("B", small, X)
+        Y = ws.other("X", tuple(X.shape), X, avoid=X)
         if tall:  # X is (B, l, s): the same iteration transposed, XᵀX and X·B (B is symmetric)
-            A = torch.bmm(X.mT, X)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, X, B, beta=a, alpha=1.0)
-            continue
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a·X + B·X
+            torch.bmm(X.mT, X, out=A)
+            torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+            torch.baddbmm(X, X, B, beta=a, alpha=1.0, out=Y)
+        else:
+            torch.bmm(X, X.mT, out=A)
+            torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)  # b·A + c·A²
+            torch.baddbmm(X, B, X, beta=a, alpha=1.0, out=Y)  # a·X + B·X
+        X = Y
     return X
 
 
@@ -181,15 +190,15 @@ def _resolve_method(method: str, requested_backend: str, backend: str, shape: tu
 
 
 def iterate(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *, method: str = "auto",
-            tall: bool = False) -> torch.Tensor:
+            tall: bool = False, workspace: Workspace | None = None) -> torch.Tensor:
     """The torch iteration on a normalised batch X already in the hot dtype — wide (B, s, l), or tall
     (B, l, s) with ``tall=True`` (iterated in place of its transpose: no transposed copies) — with the method
     chosen as :func:`ns5` would on the torch backend. For callers that normalise X themselves (the compiled
     spectral path fuses the normalisation into the pass that produces the momentum)."""
     method = _resolve_method(method, "torch", "torch", tuple(X.shape[-2:]))
     if method == "gram":
-        return iterate_gram(X, coefficients, tall=tall)
-    return iterate_reference(X, coefficients, tall=tall)
+        return iterate_gram(X, coefficients, tall=tall, workspace=workspace)
+    return iterate_reference(X, coefficients, tall=tall, workspace=workspace)
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,6 +44,8 @@ from typing import Sequence
 
 import torch
 
+from nonans_optim._workspace import Workspace
+
 __all__ = ["iterate_gram", "gram_flops", "standard_flops", "segments"]
 
 
@@ -67,7 +69,8 @@ def segments(steps: int, restart_after: int | Sequence[int] | None = 2) -> list[
 
 
 def iterate_gram(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *,
-                 restart_after: int | Sequence[int] | None = 2, tall: bool = False) -> torch.Tensor:
+                 restart_after: int | Sequence[int] | None = 2, tall: bool = False,
+                 workspace: Workspace | None = None) -> torch.Tensor:
     """The NS iteration on a normalised, wide (s ≤ l) batch ``X`` of shape (B, s, l), in X's dtype —
     same contract and result (up to rounding) as :func:`nonans_optim.ns5.iterate_reference`.
 
@@ -79,28 +82,42 @@ def iterate_gram(X: torch.Tensor, coefficients: Sequence[tuple[float, float, flo
 
     ``tall=True``: X is (B, l, s), the transpose of the wide layout, and the iteration runs on it as is —
     R = XᵀX and X ← XQ (Q and P are polynomials in the symmetric R, so XQ = (QXᵀ)ᵀ) — giving the transpose
-    of the wide result up to rounding without a transposed copy of the input or the output."""
+    of the wide result up to rounding without a transposed copy of the input or the output.
+
+    ``workspace``: every intermediate is written with ``out=`` into it (:class:`~nonans_optim._workspace.
+    Workspace`), so repeated calls allocate nothing; the result then lives in the workspace until its next
+    use. Without one, a fresh workspace serves this call. The arithmetic is the same either way."""
+    ws = workspace if workspace is not None else Workspace()
     coefficients = list(coefficients)
+    s = X.shape[-1] if tall else X.shape[-2]
+    small = (*X.shape[:-2], s, s)
     start = 0
     for length in segments(len(coefficients), restart_after):
-        R = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+        R = ws.get("R", small, X)
+        torch.bmm(X.mT, X, out=R) if tall else torch.bmm(X, X.mT, out=R)
         Q = None
         for j, (a, b, c) in enumerate(coefficients[start:start + length]):
-            B = torch.baddbmm(R, R, R, beta=b, alpha=c)  # b·R + c·R²
+            B = ws.get(f"B{j}", small, X)
+            torch.baddbmm(R, R, R, beta=b, alpha=c, out=B)  # b·R + c·R²
             if j + 1 < length:  # R is only needed by the next step of this segment
-                T = torch.baddbmm(R, B, R, beta=a)  # P R
-                R = torch.baddbmm(T, T, B, beta=a)  # P R P
+                T = ws.get("T", small, X)
+                torch.baddbmm(R, B, R, beta=a, out=T)  # P R
+                torch.baddbmm(T, T, B, beta=a, out=R)  # P R P (R itself is no longer an input)
             if j == 0:
                 B0, a0 = B, a  # Q₁ = P₀ = a₀I + B₀, formed only if a second step needs it
             else:
                 if Q is None:
                     Q = B0
                     Q.diagonal(dim1=-2, dim2=-1).add_(a0)
-                Q = torch.baddbmm(Q, B, Q, beta=a)  # P Q
+                Q_next = ws.other("Q", small, X, avoid=Q)
+                torch.baddbmm(Q, B, Q, beta=a, out=Q_next)  # P Q
+                Q = Q_next
+        Y = ws.other("X", tuple(X.shape), X, avoid=X)
         if tall:
-            X = torch.baddbmm(X, X, B0, beta=a0) if Q is None else torch.bmm(X, Q)
+            torch.baddbmm(X, X, B0, beta=a0, out=Y) if Q is None else torch.bmm(X, Q, out=Y)
         else:
-            X = torch.baddbmm(X, B0, X, beta=a0) if Q is None else torch.bmm(Q, X)
+            torch.baddbmm(X, B0, X, beta=a0, out=Y) if Q is None else torch.bmm(Q, X, out=Y)
+        X = Y
         start += length
     return X
 

@@ -33,9 +33,11 @@ INFOS = [
     OptimInfo("Fusion-mona", no.Fusion, {"lr": 1e-2, "components": ("ns5", "mona")},
               ("momentum_buffer", "mona_prev_grad", "mona_diff_avg", "exp_avg", "exp_avg_sq")),
 ]
-# The native fused loop (impl="fused", nonans_optim/native) through the whole generic suite as well.
+# The native fused loops (impl="fused", nonans_optim/native) through the whole generic suite as well, for
+# the optimizers they cover entirely (FullFusion and MONA groups would fall back to impl="compiled").
+FUSED = ("AdamW", "SFAdamW", "Muon", "SFNorMuon")
 INFOS += [OptimInfo(f"{i.name}-fused", i.cls, {**i.kwargs, "impl": "fused"}, i.moment_keys, i.schedule_free)
-          for i in INFOS if "fused" in i.cls._impls]
+          for i in INFOS if i.name in FUSED]
 IDS = [i.name for i in INFOS]
 
 

@@ -1,4 +1,5 @@
-"""impl="compiled" on the spectral path (optimizers/_compiled_spectral.py) against impl="loop".
+"""impl="compiled" (optimizers/_compiled_spectral.py) and impl="fused" (optimizers/_fused_spectral.py, the
+native loops; MONA groups fall back to compiled) on the spectral path against impl="loop".
 
 NS5 runs in fp32 here: in bf16 a last-bit difference of the normalised input (the compiled graph divides by
 max|M|, ns5() by the nearest power of two) can flip a bf16 rounding and the two paths then differ at bf16
@@ -50,14 +51,15 @@ CASES = [(no.SFNorMuon, {}), (no.Muon, {}),
 IDS = ["SFNorMuon", "Muon", "Fusion-mona", "Fusion-no-ns5"]
 
 
+@pytest.mark.parametrize("impl", ["compiled", "fused"])
 @pytest.mark.parametrize("policy", ["repair", "off"])
 @pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
-def test_compiled_spectral_matches_loop(cls, kw, policy):
+def test_compiled_spectral_matches_loop(cls, kw, policy, impl):
     inject = policy == "repair"  # under "off" a fault makes both NaN, which would compare nothing
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a silent fallback would fail here
         ref, ref_opt = _run("loop", cls, policy, inject=inject, **kw)
-        got, got_opt = _run("compiled", cls, policy, inject=inject, **kw)
+        got, got_opt = _run(impl, cls, policy, inject=inject, **kw)
     assert _compiled.compile_available()
     for p, q in zip(ref, got):
         assert torch.isfinite(q).all()
@@ -75,21 +77,23 @@ def test_compiled_spectral_matches_loop(cls, kw, policy):
            [(e.step, e.param, e.stage, e.nan_count, e.inf_count) for e in ref_opt.events]
 
 
-def test_compiled_spectral_bf16_close_to_loop():
+@pytest.mark.parametrize("impl", ["compiled", "fused"])
+def test_compiled_spectral_bf16_close_to_loop(impl):
     """At the default hot dtype the paths agree to bf16 resolution."""
     ref, _ = _run("loop", no.SFNorMuon, "repair", inject=False)
-    got, _ = _run("compiled", no.SFNorMuon, "repair", inject=False)
+    got, _ = _run(impl, no.SFNorMuon, "repair", inject=False)
     for p, q in zip(ref, got):
         torch.testing.assert_close(q, p, rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("impl", ["compiled", "fused"])
 @pytest.mark.parametrize("cls,policy", [(no.FullFusion, "repair"), (no.SFNorMuon, "skip")],
                          ids=["shampoo", "skip"])
-def test_uncovered_groups_run_foreach(cls, policy):
-    """KL-Shampoo and "skip" are not compiled on the spectral path: the result is foreach's (the scalar
-    path of the same optimizer still runs compiled, so compare within float tolerance)."""
+def test_uncovered_groups_run_foreach(cls, policy, impl):
+    """KL-Shampoo and "skip" are neither compiled nor fused on the spectral path: the result is foreach's
+    (the scalar path of the same optimizer still runs compiled/fused, so compare within float tolerance)."""
     ref, ref_opt = _run("foreach", cls, policy)
-    got, got_opt = _run("compiled", cls, policy)
+    got, got_opt = _run(impl, cls, policy)
     for p, q in zip(ref, got):
         assert torch.isfinite(q).all()
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

@@ -94,13 +94,13 @@ def test_fused_matches_loop(cls, policy):
 
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_thread_count_does_not_change_results(cls):
-    """The loop is element-wise and each count is an exact integer, so 1 and 2 threads agree bit for bit
-    (the spike guard's norm is summed per thread; it only matters on a step where the guard fires, so
-    this run uses no spike)."""
-    runs = [_run(cls, "fused", "repair", threads=t, spike_factor=None) for t in (1, 2)]
+    """The loop is element-wise, each count an exact integer, and the spike guard's norm is summed per
+    fixed-size chunk in chunk order: 1 and 2 threads agree bit for bit, the guard firing included."""
+    runs = [_run(cls, "fused", "repair", threads=t) for t in (1, 2)]
     for p, q in zip(runs[0][0], runs[1][0]):
         assert torch.equal(p, q)
     assert _events(runs[0][1]) == _events(runs[1][1])
+    assert "spike" in {e[2] for e in _events(runs[1][1])}
 
 
 def test_unsupported_tensors_run_compiled(monkeypatch):
@@ -143,7 +143,7 @@ def test_builds_into_a_fresh_cache_and_reports_a_broken_compiler(tmp_path, monke
     monkeypatch.setenv("NONANS_CACHE_DIR", str(tmp_path / "ok"))
     lib = native.library.__wrapped__()
     assert lib is not None and hasattr(lib, "nonans_scalar_step")
-    assert len(list((tmp_path / "ok").glob("scalar_step-*.so"))) == 1
+    assert len(list((tmp_path / "ok").glob("nonans_native-*.so"))) == 1
     monkeypatch.setenv("NONANS_CACHE_DIR", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setattr(native, "_compiler", lambda: "false")

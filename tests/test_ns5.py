@@ -231,9 +231,16 @@ def test_batched_equals_per_matrix_and_tall_equals_wide_transposed(method, seed,
         torch.testing.assert_close(ns5(g, dtype=hot, method=method), o, atol=atol, rtol=0)
     if shape[-2] != shape[-1]:  # ns5 transposes tall inputs itself: the same bits
         assert torch.equal(ns5(G.mT, dtype=hot, method=method), O.mT)
-    else:  # square: Gᵀ runs the iteration on GᵀG instead of GGᵀ — equal in exact arithmetic only, so
-        # two independent roundings: twice each path's error (bf16 measured 0.031 on a 2x2 batch)
-        atol = {"fp32": 2e-5, "bf16": 0.06}.get(hot, 0.02)
+    elif hot == "bf16":  # square: Gᵀ runs the iteration on GᵀG instead of GGᵀ — equal in exact arithmetic
+        # only. These inputs span 2^±10, so their small singular values sit where each NS step multiplies a
+        # perturbation by a ≈ 3.4: two independent bf16 roundings then differ by up to 0.16 (standard) and
+        # 0.24 (Gram) in one entry, 0.067 and 0.18 in relative Frobenius norm (measured over 1500 seeded
+        # cases, n = 2..48). The entry-wise bound of 0.06 used before failed on such a case; the layout
+        # itself is pinned by the fp32 branch below.
+        T, O = ns5(G.mT, dtype=hot, method=method).float().mT, O.float()
+        assert (T - O).norm() <= 0.3 * O.norm()
+    else:
+        atol = {"fp32": 2e-5}.get(hot, 0.02)
         torch.testing.assert_close(ns5(G.mT, dtype=hot, method=method), O.mT, atol=atol, rtol=0)
 
 

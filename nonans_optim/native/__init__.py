@@ -1,5 +1,6 @@
-"""The native CPU kernel behind ``impl="fused"``: built from ``scalar_step.c`` with the system C compiler
-on first use, cached, and loaded with ctypes.
+"""The native CPU kernels behind ``impl="fused"``: built from ``scalar_step.c`` (the (SF-)AdamW step) and
+``spectral_step.c`` (the elementwise work around NS5) with the system C compiler on first use, cached, and
+loaded with ctypes.
 
 Why C and not torch.compile: inductor (torch 2.13) turns the (SF-)AdamW + resolution graph into several
 passes per tensor on CPU and takes each event count as its own reduction, which left the compiled step at
@@ -29,9 +30,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["library", "failure", "record_step", "SOURCE"]
+__all__ = ["library", "failure", "record_step", "SOURCES"]
 
-SOURCE = Path(__file__).with_name("scalar_step.c")
+_DIR = Path(__file__).parent
+SOURCES = (_DIR / "common.h", _DIR / "scalar_step.c", _DIR / "spectral_step.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 # Tried in order: the first that compiles wins.
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
@@ -73,7 +75,8 @@ def _build(cc: str, flags: list[str], out: Path) -> str | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [cc, *_BASE_FLAGS, *flags, f"-I{_DIR}", *[str(s) for s in SOURCES if s.suffix == ".c"], "-o", tmp,
+           "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -89,6 +92,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.argtypes = [i64, pp, pp, pp, pp, pp, pp, ptr, ptr, f64, f64, ptr, i32, i32, i32, f32, f32, f32,
                   ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
     f.restype = ctypes.c_int
+    pre, post = lib.nonans_spectral_pre, lib.nonans_spectral_post
+    pre.argtypes = [i64, pp, pp, i32, pp, i32, pp, ptr, ptr, pp, ptr, i32, i32, f32, f32, f32, ptr, ptr, ptr,
+                    ptr, i64, ptr, ptr, ptr, i32]
+    post.argtypes = [i64, pp, i32, pp, pp, pp, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr,
+                     ptr, i32]
+    pre.restype = post.restype = ctypes.c_int
     r = lib.nonans_record_step
     i64, f32 = ctypes.c_int64, ctypes.c_float
     r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 9
@@ -134,9 +143,9 @@ def library() -> ctypes.CDLL | None:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
         errors = []
         for flags in _VARIANTS:
-            key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, _cpu_flags(), platform.machine(),
+            key = hashlib.sha256("\0".join([*[s.read_text() for s in SOURCES], cc, version, _cpu_flags(), platform.machine(),
                                             *_BASE_FLAGS, *flags]).encode()).hexdigest()[:20]
-            out = _cache_dir() / f"scalar_step-{key}.so"
+            out = _cache_dir() / f"nonans_native-{key}.so"
             err = None if out.exists() else _build(cc, flags, out)
             if err is None:
                 return _declare(ctypes.CDLL(str(out)))

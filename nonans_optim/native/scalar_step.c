@@ -10,33 +10,17 @@
  * Passes over a tensor:
  *   1. only when a decision must precede any write (the spike guard needs the gradient's norm, "skip"
  *      needs to know whether any entry is bad, the hold rule whether *every* entry is bad): the sum of
- *      squares (in double: no overflow for any fp32 input) and the non-finite count of g. Each thread
- *      reads the same range in pass 2, which it has just pulled into its L2 cache;
+ *      squares and the non-finite count of g, per chunk. Threads take whole chunks, and each reads the
+ *      same chunks in pass 2, which it has just pulled into its L2 cache;
  *   2. the update: gate, moments, direction, parameter, last-line update guard, counts.
  *
  * Compiled with -ffp-contract=off (no FMA contraction): a clean "repair" step must be bit-identical to
  * "off", and both run this same code, so the only difference may be the selects, which change nothing
  * on a clean entry. Build and loading: nonans_optim/native/__init__.py.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-enum { POLICY_OFF = 0, POLICY_REPAIR = 1, POLICY_SKIP = 2 };
-/* Stage rows of the (P, S, 2) count block: the order of nonans_optim.resolution.STAGES. */
-enum { ST_GRAD = 0, ST_MOMENT = 1, ST_UPDATE = 3, ST_SPIKE = 5, NSTAGE = 6 };
-enum { NCOUNT = 5 };          /* per tensor: grad nan, grad non-finite, v overflow, update nan, update non-finite */
-#define BLOCK 16384           /* int32 counters per block, flushed to int64: no overflow at any size */
-
-static inline int finitef_(float x) { return fabsf(x) < INFINITY; }
-
-/* torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m. */
-static inline float lerpf_(float a, float b, float w) {
-    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
-}
+#include "common.h"
 
 typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
@@ -110,39 +94,22 @@ static inline __attribute__((always_inline)) void update_range(
     for (int k = 0; k < NCOUNT; k++) out[k] = tot[k];
 }
 
-/* Pass 1: sum of squares and non-finite count of g over [lo, hi). fp32 lane accumulators flushed to a
- * double every block: the vector loop stays at full width (a double accumulator halves it and made this
- * pass compute-bound), and the fp32 partial can only overflow for a block whose own squares sum past
- * fp32's maximum — where the fp32 norms of the other implementations overflow too. */
-static void grad_stats(const float *restrict g, int64_t lo, int64_t hi, double *ss, int64_t *bad) {
-    double acc = 0.0;
-    int64_t nb = 0;
-    for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
-        const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
-        float part = 0.0f;
-        int nbb = 0;
+/* Pass 1 over one BLOCK-sized chunk of g: its sum of squares (fp32 lanes, full vector width; a double
+ * accumulator halved it and made the pass compute-bound) and its non-finite count. The chunk sums are
+ * added in chunk order afterwards, so the norm — and a triggered spike guard's scale — does not depend
+ * on the thread count. An fp32 chunk sum overflows only where the fp32 norms of the other
+ * implementations overflow too. */
+static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double *ss, int64_t *bad) {
+    float part = 0.0f;
+    int nbb = 0;
 #pragma omp simd reduction(+ : part, nbb)
-        for (int64_t j = b0; j < b1; j++) {
-            const float x = g[j];
-            part += x * x;
-            nbb += !finitef_(x);
-        }
-        acc += part;
-        nb += nbb;
+    for (int64_t j = b0; j < b1; j++) {
+        const float x = g[j];
+        part += x * x;
+        nbb += !finitef_(x);
     }
-    *ss = acc;
-    *bad = nb;
-}
-
-/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor, in fp32. */
-static float spike_(float norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
-    const int fin = finitef_(norm), seeded = ema > 0.0f;
-    const float cap = factor * ema;
-    const int t = fin && seeded && norm > cap;
-    const float observed = t ? cap : norm;
-    *new_ema = fin ? (seeded ? ema * beta + one_m_beta * observed : norm) : ema;
-    *trig = t;
-    return t ? cap / norm : 1.0f;
+    *ss = part;
+    *bad = nbb;
 }
 
 /* One step over n tensors. Returns 0, or 1 when scratch memory could not be allocated (nothing written).
@@ -161,15 +128,18 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
     const int T = nthreads > 0 ? nthreads : 1;
     const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
     const hyper_t h = {hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]};
-    int64_t *cnt = calloc((size_t)(n * T * NCOUNT + n * T + 1), sizeof(int64_t));
-    double *ss = calloc((size_t)(n * T + 1), sizeof(double));
+    int64_t chunks = 0;
+    for (int64_t i = 0; i < n; i++) chunks += (numel[i] + BLOCK - 1) / BLOCK;
+    int64_t *cnt = calloc((size_t)(n * T * NCOUNT + chunks + n + 1), sizeof(int64_t));
+    double *ss = calloc((size_t)(chunks + 1), sizeof(double));   /* per chunk of every tensor */
     float *new_ema = calloc((size_t)(n + 1), sizeof(float));
     int *trig = calloc((size_t)(n + 1), sizeof(int));
     if (!cnt || !ss || !new_ema || !trig) {
         free(cnt); free(ss); free(new_ema); free(trig);
         return 1;
     }
-    int64_t *bad1 = cnt + n * T * NCOUNT;
+    int64_t *bad1 = cnt + n * T * NCOUNT, *chunk_off = bad1 + chunks;
+    for (int64_t i = 0, acc = 0; i < n; i++) { chunk_off[i] = acc; acc += (numel[i] + BLOCK - 1) / BLOCK; }
     /* Per-tensor scalars, before any thread starts: the step count, bias corrections, step size, and
      * whether the parameter had an event within the repeat window (the hold rule's precondition). */
     float *lr = calloc((size_t)(3 * n + 1), sizeof(float));
@@ -193,15 +163,13 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
     }
 #pragma omp parallel num_threads(T)
     {
-#ifdef _OPENMP
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int tid = 0, nt = 1;
-#endif
+        const int tid = thread_id_(), nt = thread_count_();
         for (int64_t i = 0; i < n; i++) {
             const int64_t N = numel[i];
             if (N == 0) continue;
-            const int64_t lo = N * tid / nt, hi = N * (tid + 1) / nt;
+            /* Threads take whole chunks, the same ones in both passes (pass 2 re-reads from L2). */
+            const int64_t nch = (N + BLOCK - 1) / BLOCK, c0 = nch * tid / nt, c1 = nch * (tid + 1) / nt;
+            const int64_t lo = c0 * BLOCK, hi = c1 * BLOCK < N ? c1 * BLOCK : N, off = chunk_off[i];
             const float *gi = g[i];
             /* The same decision on every thread (all read the same inputs), so either all or none reach
              * the barrier. The hold rule needs a pre-pass only when the first entry is already bad. */
@@ -210,11 +178,13 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
             float s = 1.0f;
             int hold = 0, keep_all = 0;
             if (need1) {
-                grad_stats(gi, lo, hi, &ss[i * T + tid], &bad1[i * T + tid]);
+                for (int64_t ch = c0; ch < c1; ch++)
+                    chunk_stats(gi, ch * BLOCK, (ch + 1) * BLOCK < N ? (ch + 1) * BLOCK : N, &ss[off + ch],
+                                &bad1[off + ch]);
 #pragma omp barrier
                 double tot = 0.0;
                 int64_t nbad = 0;
-                for (int t = 0; t < nt; t++) { tot += ss[i * T + t]; nbad += bad1[i * T + t]; }
+                for (int64_t ch = 0; ch < nch; ch++) { tot += ss[off + ch]; nbad += bad1[off + ch]; }
                 if (guard) { /* ema is only written after the parallel region: every thread reads the old value */
                     float ne;
                     int tr;

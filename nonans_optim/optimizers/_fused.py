@@ -27,18 +27,30 @@ from ..functional.spike import SPIKE_BETA
 from ._common import dense_counts
 from ._compiled import compiled_scalar_update
 
-__all__ = ["fused_scalar_update"]
+__all__ = ["fused_scalar_update", "pointers", "resolution_pointers"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
 
 
-def _pointers(tensors: list[torch.Tensor]):
-    """ctypes array of data pointers, or None unless every tensor is a contiguous fp32 CPU tensor (a
-    pointer to anything else — a CUDA address, a strided view — must never reach the C loop)."""
-    f32 = torch.float32
-    ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is f32 and t.is_contiguous()]
+def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+    """ctypes array of data pointers, or None unless every tensor is a contiguous CPU tensor of ``dtype``
+    (a pointer to anything else — a CUDA address, a strided view — must never reach the C loops)."""
+    ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is dtype and t.is_contiguous()]
     return (ctypes.c_void_p * len(ptrs))(*ptrs) if len(ptrs) == len(tensors) else None
+
+
+def resolution_pointers(ctx: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+    """The Resolution tensors the C loops read and update (CPU: the optimizer checked the device), as
+    data pointers; None and zeros under "off"."""
+    res = ctx["resolution"]
+    if res is None:
+        return dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0)
+    t = res.tensors
+    return dict(ema=t["grad_norm_ema"].data_ptr(), sel=ctx["device_indices"](indices, t["scale"].device).data_ptr(),
+                scale=t["scale"].data_ptr(), streak=t["clean_streak"].data_ptr(), events=t["events"].data_ptr(),
+                dense=dense_counts(ctx, t["scale"].device).data_ptr(), window=res.repeat_window,
+                factor=ctx["spike_factor"] or 0.0)
 
 
 def _warn_unavailable() -> None:
@@ -55,7 +67,7 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
     lib = native.library() if params[0].is_cpu else None
     ptrs = None
     if lib is not None:
-        ptrs = [_pointers(x) for x in (params, grads, [st["z" if sf else "exp_avg"] for st in states],
+        ptrs = [pointers(x) for x in (params, grads, [st["z" if sf else "exp_avg"] for st in states],
                                        [st["exp_avg_sq"] for st in states], [st["step"] for st in states])]
     if lib is None or any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
         if params[0].is_cpu and native.failure() is not None:
@@ -69,20 +81,11 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
     # fp32 exactly as the other implementations round them: host doubles, rounded once.
     hp = (ctypes.c_float * 7)(1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef)
     numel = (ctypes.c_int64 * len(params))(*[p.numel() for p in params])
-    res = ctx["resolution"]
-    ema = sel = scale = streak = events = dense = None
-    factor, window = 0.0, 0
-    if res is not None:
-        t = res.tensors
-        sel = ctx["device_indices"](indices, params[0].device).data_ptr()
-        ema, scale = t["grad_norm_ema"].data_ptr(), t["scale"].data_ptr()
-        streak, events = t["clean_streak"].data_ptr(), t["events"].data_ptr()
-        dense, window = dense_counts(ctx, params[0].device).data_ptr(), res.repeat_window
-        factor = ctx["spike_factor"] or 0.0
+    r = resolution_pointers(ctx, indices)
     rc = lib.nonans_scalar_step(
         len(params), p_ptr, g_ptr, nulls if sf else second, v_ptr, second if sf else nulls, step_ptr,
         ctypes.addressof(numel), gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
-        int(sf), int(sf and group["weight_decay"] != 0), factor, SPIKE_BETA, 1 - SPIKE_BETA, ema, sel,
-        scale, streak, events, window, dense, torch.get_num_threads())
+        int(sf), int(sf and group["weight_decay"] != 0), r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"],
+        r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads())
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")

@@ -58,9 +58,13 @@ class Fusion(NonansOptimizer):
         spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
             (default 10, chosen by ``python -m experiments spikes``; None: off;
             :mod:`nonans_optim.functional.spike`).
-        impl: "foreach" (batched NS5 per shape, default), "loop" (ground truth) or "compiled" (the
-            elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`).
+        impl: "foreach" (batched NS5 per shape, default), "loop" (ground truth), "compiled" (the
+            elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
+            "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; groups
+            they do not cover — MONA, KL-Shampoo, "skip", CUDA — run "compiled").
     """
+
+    _impls = ("loop", "foreach", "compiled", "fused")
 
     def __init__(self, params, *, components, lr: float = 1e-3, weight_decay: float = 0.01,
                  momentum: float = 0.95, nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.999),

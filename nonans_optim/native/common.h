@@ -1,0 +1,68 @@
+/* Shared by the native kernels: policy and stage codes, and the scalar helpers every loop uses. */
+#ifndef NONANS_COMMON_H
+#define NONANS_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { POLICY_OFF = 0, POLICY_REPAIR = 1, POLICY_SKIP = 2 };
+/* Stage rows of the (P, S, 2) count block: the order of nonans_optim.resolution.STAGES. */
+enum { ST_GRAD = 0, ST_MOMENT = 1, ST_DIRECTION = 2, ST_UPDATE = 3, ST_SPIKE = 5, NSTAGE = 6 };
+enum { NCOUNT = 5 };          /* per tensor: grad nan, grad non-finite, v overflow, update nan, update non-finite */
+#define BLOCK 16384           /* int32 counters per block, flushed to int64: no overflow at any size */
+
+static inline int finitef_(float x) { return fabsf(x) < INFINITY; }
+
+/* torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m. */
+static inline float lerpf_(float a, float b, float w) {
+    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor, in fp32. */
+static inline float spike_(float norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
+    const int fin = finitef_(norm), seeded = ema > 0.0f;
+    const float cap = factor * ema;
+    const int t = fin && seeded && norm > cap;
+    const float observed = t ? cap : norm;
+    *new_ema = fin ? (seeded ? ema * beta + one_m_beta * observed : norm) : ema;
+    *trig = t;
+    return t ? cap / norm : 1.0f;
+}
+
+/* Thread id and count inside a parallel region (0 and 1 without OpenMP). */
+static inline int thread_id_(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int thread_count_(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* bf16 ↔ fp32 as torch converts them (c10/util/BFloat16.h): round to nearest even, any NaN → 0x7FC0. */
+static inline float bf16_to_f32_(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16_(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#endif

@@ -1,0 +1,349 @@
+/* The elementwise work around NS5 on the spectral path (NS5 + optional NorMuon + optional schedule-free),
+ * for contiguous fp32 CPU parameters and gradients; the momentum buffer is fp32 or bf16.
+ *
+ * Ground truth: nonans_optim/optimizers/_spectral.py (impl="loop"). The arithmetic is that of
+ * optimizers/_compiled_spectral.py (_pre and _post) written as row loops: inductor (torch 2.13, CPU) ran
+ * those two graphs as about 4x the passes their byte traffic needs (RESULTS.md, "step-time"). Here:
+ *
+ *   pre, per matrix (rows split across threads; every pass of a thread covers the same rows, so the
+ *   later passes read from its L2 cache):
+ *     1. (resolution on) gradient statistics: sum of squares (the spike guard), non-finite counts, and
+ *        whether each row was entirely finite (the NorMuon row gate);
+ *     2. gate, momentum (+ Nesterov), the buffer write, the NS5 input M in fp32 and its sum of squares
+ *        in double (no fp32 square can overflow or underflow there);
+ *     3. X = M / ‖M‖_F in the hot dtype (bf16 or fp32) — the NS5 input, zero staying zero;
+ *   post, per matrix, on the NS5 output O (hot dtype, the parameter's layout):
+ *     A. per row: Σ O², Σ O, the NorMuon row moment and 1/dᵢ;
+ *     B. U = O · (1/dᵢ) · (0.2·sqrt(mn)/‖Ô‖_F), the (schedule-free) update, the update guard and hold
+ *        rule, and the counts.
+ *
+ * Compiled with -ffp-contract=off like scalar_step.c: a clean "repair" step is bit-identical to "off".
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+enum { NPRE = 4 };   /* per tensor and thread, pre: grad nan, grad non-finite; (pass 1 only) non-finite again */
+
+/* Pass B over one row: d = O·rsc, the update, the guard; sf/decay/gate are constants at every call site
+ * (one straight vector loop per variant). Adds the row's update counts to *un, *ub. */
+static inline __attribute__((always_inline)) void update_row_(
+        const int sf, const int decay, const int gate, const float *restrict orow, float *restrict pr,
+        float *restrict zr, int64_t C, float rsc, float lr, float lrc, float wdf, float wd, float c, int keep,
+        int64_t *un_out, int64_t *ub_out) {
+    int un = 0, ub = 0;
+#pragma omp simd reduction(+ : un, ub)
+    for (int64_t j = 0; j < C; j++) {
+        float d = orow[j] * rsc;
+        const float po = pr[j];
+        float y, zo = 0.0f, zn = 0.0f;
+        if (sf) {
+            zo = zr[j];
+            if (decay) d = d + zo * wd; /* skipped when λ = 0, as eager does: 0·z would turn an Inf z into NaN */
+            y = lerpf_(po, zo, c) + d * lrc;
+            zn = zo - d * lr;
+        } else {
+            y = po * wdf - lr * d;
+        }
+        if (gate) {
+            un += y != y;
+            ub += !finitef_(y);
+            y = (finitef_(y) & !keep) ? y : po;
+            if (sf) {
+                un += zn != zn;
+                ub += !finitef_(zn);
+                zn = (finitef_(zn) & !keep) ? zn : zo;
+            }
+        }
+        pr[j] = y;
+        if (sf) zr[j] = zn;
+    }
+    *un_out += un;
+    *ub_out += ub;
+}
+
+/* The momentum side. g, buf, x: per tensor; rows/cols: the matrix shape (buf and x have the same layout
+ * as g); mscratch: per tensor fp32 scratch of rows·cols entries, or NULL where x is fp32 (then M is
+ * written into x and normalised in place); hp = {1-μ, μ}. Resolution (all NULL/0 under "off"): as in
+ * scalar_step.c, plus row_ok (out, concatenated rows of every tensor) and hold (out, one per tensor).
+ * Returns 0, or 1 when scratch memory could not be allocated (nothing written). */
+int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x, int x_bf16, float **mscratch,
+                        const int64_t *rows, const int64_t *cols, float **step, const float *hp, int nesterov,
+                        int policy, float factor, float beta, float one_m_beta, float *ema, const int64_t *sel,
+                        const int64_t *clean_streak, const int64_t *events, int64_t repeat_window,
+                        uint8_t *row_ok, uint8_t *hold, int64_t *dense, int nthreads) {
+    const int T = nthreads > 0 ? nthreads : 1;
+    const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
+    const float one_m_mu = hp[0], mu = hp[1];
+    int64_t total_rows = 0;
+    for (int64_t i = 0; i < n; i++) total_rows += rows[i];
+    /* Row sums of squares (gradient, M), added in row order after a barrier: the spike guard's norm and
+     * the NS5 input's scale then do not depend on the thread count. */
+    double *part = calloc((size_t)(2 * total_rows + 1), sizeof(double));
+    int64_t *cnt = calloc((size_t)(n * T * NPRE + 2 * n + 1), sizeof(int64_t));
+    float *new_ema = calloc((size_t)(n + 1), sizeof(float));
+    int *trig = calloc((size_t)(n + 1), sizeof(int));
+    if (!part || !cnt || !new_ema || !trig) {
+        free(part); free(cnt); free(new_ema); free(trig);
+        return 1;
+    }
+    int64_t *row_off = cnt + n * T * NPRE, *recent = row_off + n;
+    for (int64_t i = 0, acc = 0; i < n; i++) {
+        *step[i] += 1.0f;
+        row_off[i] = acc;
+        acc += rows[i];
+        recent[i] = 0;
+        if (gate) {
+            int64_t ev = 0;
+            for (int s = 0; s < NSTAGE; s++) ev += events[sel[i] * NSTAGE + s];
+            recent[i] = clean_streak[sel[i]] < repeat_window && ev > 0;
+        }
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int tid = thread_id_(), nt = thread_count_();
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t R = rows[i], C = cols[i];
+            const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
+            const float *gi = g[i];
+            float s = 1.0f;
+            double *gsq = part + row_off[i], *msq = part + total_rows + row_off[i];
+            if (gate) { /* pass 1 */
+                int64_t nan_c = 0, bad_c = 0;
+                for (int64_t r = r0; r < r1; r++) {
+                    const float *gr = gi + r * C;
+                    float part_ss = 0.0f;
+                    int nn = 0, nb = 0;
+#pragma omp simd reduction(+ : part_ss, nn, nb)
+                    for (int64_t j = 0; j < C; j++) {
+                        const float v = gr[j];
+                        part_ss += v * v;
+                        nn += v != v;
+                        nb += !finitef_(v);
+                    }
+                    gsq[r] = part_ss;
+                    nan_c += nn;
+                    bad_c += nb;
+                    if (row_ok) row_ok[row_off[i] + r] = nb == 0;
+                }
+                cnt[(i * T + tid) * NPRE] = nan_c;
+                cnt[(i * T + tid) * NPRE + 1] = bad_c;
+#pragma omp barrier
+                double tot = 0.0;
+                int64_t nbad = 0;
+                for (int64_t r = 0; r < R; r++) tot += gsq[r];
+                for (int t = 0; t < nt; t++) nbad += cnt[(i * T + t) * NPRE + 1];
+                if (guard) { /* ema is only written after the parallel region */
+                    float ne;
+                    int tr;
+                    s = spike_((float)sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
+                    if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
+                }
+                if (tid == 0) hold[i] = policy == POLICY_REPAIR && recent[i] && nbad == R * C;
+            }
+            /* pass 2 */
+            float *mi = mscratch[i] ? mscratch[i] : (float *)x[i];
+            for (int64_t r = r0; r < r1; r++) {
+                const int64_t o = r * C;
+                double part_ms = 0.0;
+                float part_f = 0.0f;
+                if (buf_bf16) {
+                    uint16_t *b = (uint16_t *)buf[i] + o;
+#pragma omp simd reduction(+ : part_f)
+                    for (int64_t j = 0; j < C; j++) {
+                        const float gr = gi[o + j], G = gr * s, bo = bf16_to_f32_(b[j]);
+                        const float gin = gate ? (finitef_(gr) ? G : bo) : G;
+                        const float nb = lerpf_(bo, gin, one_m_mu); /* fp32 update, rounded once on the write */
+                        b[j] = f32_to_bf16_(nb);
+                        const float M = nesterov ? lerpf_(gin, nb, mu) : nb;
+                        mi[o + j] = M;
+                        part_f += M * M;
+                    }
+                } else {
+                    float *b = (float *)buf[i] + o;
+#pragma omp simd reduction(+ : part_f)
+                    for (int64_t j = 0; j < C; j++) {
+                        const float gr = gi[o + j], G = gr * s, bo = b[j];
+                        const float gin = gate ? (finitef_(gr) ? G : bo) : G;
+                        const float nb = lerpf_(bo, gin, one_m_mu);
+                        b[j] = nb;
+                        const float M = nesterov ? lerpf_(gin, nb, mu) : nb;
+                        mi[o + j] = M;
+                        part_f += M * M;
+                    }
+                }
+                /* The fp32 row sum is exact enough unless a square overflowed or the row is so small that
+                 * squares lost precision (or underflowed): then that row, still in cache, again in double —
+                 * the NS5 input stays scale invariant over fp32's whole range (tests/test_fused_spectral.py). */
+                if (finitef_(part_f) && part_f > 1e-30f) {
+                    part_ms = part_f;
+                } else {
+#pragma omp simd reduction(+ : part_ms)
+                    for (int64_t j = 0; j < C; j++) part_ms += (double)mi[o + j] * (double)mi[o + j];
+                }
+                msq[r] = part_ms;
+            }
+#pragma omp barrier
+            double msum = 0.0;
+            for (int64_t r = 0; r < R; r++) msum += msq[r];
+            const double inv = msum > 0.0 ? 1.0 / sqrt(msum) : 0.0;
+            /* pass 3: the NS5 input. In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp difference from
+             * the double product, below bf16's resolution), else in double (‖M‖ beyond fp32's range). */
+            const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
+            const float inv_f = (float)inv;
+            for (int64_t r = r0; r < r1; r++) {
+                const int64_t o = r * C;
+                if (x_bf16 && narrow) {
+                    uint16_t *xo = (uint16_t *)x[i] + o;
+#pragma omp simd
+                    for (int64_t j = 0; j < C; j++) xo[j] = f32_to_bf16_(mi[o + j] * inv_f);
+                } else if (x_bf16) {
+                    uint16_t *xo = (uint16_t *)x[i] + o;
+#pragma omp simd
+                    for (int64_t j = 0; j < C; j++) xo[j] = f32_to_bf16_((float)((double)mi[o + j] * inv));
+                } else if (narrow) {
+                    float *xo = (float *)x[i] + o;
+#pragma omp simd
+                    for (int64_t j = 0; j < C; j++) xo[j] = mi[o + j] * inv_f;
+                } else {
+                    float *xo = (float *)x[i] + o;
+#pragma omp simd
+                    for (int64_t j = 0; j < C; j++) xo[j] = (float)((double)mi[o + j] * inv);
+                }
+            }
+        }
+    }
+    if (gate && dense != NULL) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t nan_c = 0, bad_c = 0;
+            for (int t = 0; t < T; t++) { nan_c += cnt[(i * T + t) * NPRE]; bad_c += cnt[(i * T + t) * NPRE + 1]; }
+            int64_t *row = dense + sel[i] * NSTAGE * 2;
+            row[ST_GRAD * 2] += nan_c;
+            row[ST_GRAD * 2 + 1] += bad_c - nan_c;
+            if (guard) {
+                row[ST_SPIKE * 2 + 1] += trig[i];
+                ema[sel[i]] = new_ema[i];
+            }
+        }
+    }
+    free(part); free(cnt); free(new_ema); free(trig);
+    return 0;
+}
+
+/* The direction side, on the NS5 outputs o (hot dtype, the parameters' layout). p, z (NULL without
+ * schedule-free), v (NorMuon row moments, NULL without NorMuon): per tensor; row_ok and hold as pre wrote
+ * them; hp = {1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1}; gamma: the 0-d step size; scale: escalation (gate only).
+ * Returns 0, or 1 when scratch memory could not be allocated (nothing written). */
+int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, float **v, const int64_t *rows,
+                         const int64_t *cols, const uint8_t *row_ok, const uint8_t *hold, const float *gamma,
+                         const float *hp, int normuon, int sf, int decay, int policy, const int64_t *sel,
+                         const float *scale, int64_t *dense, int nthreads) {
+    const int T = nthreads > 0 ? nthreads : 1;
+    const int gate = policy != POLICY_OFF;
+    const float one_m_b2 = hp[0], eps = hp[1], wd = hp[2], c = hp[3], coef = hp[4];
+    int64_t total_rows = 0;
+    for (int64_t i = 0; i < n; i++) total_rows += rows[i];
+    float *rs = calloc((size_t)(3 * total_rows + 1), sizeof(float));   /* Σ O², Σ O, 1/dᵢ per row */
+    int64_t *cnt = calloc((size_t)(2 * n * T + 3 * n + 1), sizeof(int64_t));  /* counts, row offsets, dir counts */
+    if (!rs || !cnt) {
+        free(rs); free(cnt);
+        return 1;
+    }
+    int64_t *row_off = cnt + 2 * n * T, *dirc = row_off + n;
+    int64_t max_cols = 1;
+    for (int64_t i = 0, acc = 0; i < n; i++) {
+        row_off[i] = acc;
+        acc += rows[i];
+        max_cols = cols[i] > max_cols ? cols[i] : max_cols;
+    }
+    float *rowbufs = o_bf16 ? malloc((size_t)(T * max_cols) * sizeof(float)) : NULL;
+    if (o_bf16 && !rowbufs) {
+        free(rs); free(cnt);
+        return 1;
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int tid = thread_id_(), nt = thread_count_();
+        float *rowbuf = o_bf16 ? rowbufs + tid * max_cols : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t R = rows[i], C = cols[i], base = row_off[i];
+            const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
+            float *row_sq = rs + base, *row_sum = rs + total_rows + base, *inv = rs + 2 * total_rows + base;
+            /* pass A */
+            for (int64_t r = r0; r < r1; r++) {
+                float sq = 0.0f, sm = 0.0f;
+                if (o_bf16) {
+                    const uint16_t *orow = (const uint16_t *)o[i] + r * C;
+#pragma omp simd reduction(+ : sq, sm)
+                    for (int64_t j = 0; j < C; j++) { const float x = bf16_to_f32_(orow[j]); sq += x * x; sm += x; }
+                } else {
+                    const float *orow = (const float *)o[i] + r * C;
+#pragma omp simd reduction(+ : sq, sm)
+                    for (int64_t j = 0; j < C; j++) { const float x = orow[j]; sq += x * x; sm += x; }
+                }
+                row_sq[r] = sq;
+                row_sum[r] = sm;
+                float d = 1.0f;
+                if (normuon) {
+                    const float vo = v[i][r];
+                    float vn = lerpf_(vo, sq / (float)C, one_m_b2);
+                    if (gate) vn = row_ok[base + r] ? vn : vo; /* a row that saw a bad gradient keeps its moment */
+                    d = 1.0f / (sqrtf(vn) + eps);
+                    if (gate) vn = finitef_(vn) ? vn : vo;
+                    v[i][r] = vn;
+                }
+                inv[r] = d;
+            }
+#pragma omp barrier
+            /* ‖Ô‖_F and the RMS-matching factor: the same sum, in the same order, on every thread */
+            double nsq = 0.0;
+            for (int64_t r = 0; r < R; r++) nsq += (double)(row_sq[r] * inv[r] * inv[r]);
+            const float norm = (float)sqrt(nsq);
+            const float target = (float)(0.2 * sqrt((double)(R * C)));
+            const float fac = norm > 0.0f ? target / norm : 0.0f;
+            if (gate && tid == 0) { /* ΣU = Σᵢ row_scaleᵢ·ΣⱼOᵢⱼ: finite iff every entry of U is */
+                float total = 0.0f;
+                for (int64_t r = 0; r < R; r++) total += row_sum[r] * (inv[r] * fac);
+                dirc[2 * i] = total != total;
+                dirc[2 * i + 1] = isinf(total) != 0;
+            }
+            const float lr = gate ? *gamma * scale[sel[i]] : *gamma;
+            const float lrc = lr * coef, wdf = 1.0f - lr * wd;
+            const int keep = gate && hold[i];
+            int64_t un_t = 0, ub_t = 0;
+            /* pass B (a bf16 row is widened into the thread's row buffer first, which stays in L1) */
+            for (int64_t r = r0; r < r1; r++) {
+                const float rsc = inv[r] * fac;
+                const float *orow = (const float *)o[i] + r * C;
+                if (o_bf16) {
+                    const uint16_t *src = (const uint16_t *)o[i] + r * C;
+#pragma omp simd
+                    for (int64_t j = 0; j < C; j++) rowbuf[j] = bf16_to_f32_(src[j]);
+                    orow = rowbuf;
+                }
+                float *pr = p[i] + r * C, *zr = sf ? z[i] + r * C : NULL;
+                if (!gate && !sf) update_row_(0, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate && !decay) update_row_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate) update_row_(1, 1, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!sf) update_row_(0, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                else if (!decay) update_row_(1, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                else update_row_(1, 1, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+            }
+            cnt[(i * T + tid) * 2] = keep ? 0 : un_t; /* a held tensor writes nothing, so counts nothing */
+            cnt[(i * T + tid) * 2 + 1] = keep ? 0 : ub_t;
+        }
+    }
+    if (gate && dense != NULL) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t un = 0, ub = 0;
+            for (int t = 0; t < T; t++) { un += cnt[(i * T + t) * 2]; ub += cnt[(i * T + t) * 2 + 1]; }
+            int64_t *row = dense + sel[i] * NSTAGE * 2;
+            row[ST_DIRECTION * 2] += dirc[2 * i];
+            row[ST_DIRECTION * 2 + 1] += dirc[2 * i + 1];
+            row[ST_UPDATE * 2] += un;
+            row[ST_UPDATE * 2 + 1] += ub - un;
+        }
+    }
+    free(rs); free(cnt); free(rowbufs);
+    return 0;
+}

@@ -1,0 +1,129 @@
+"""impl="fused" for the spectral path: the elementwise work around NS5 as two native C loops.
+
+The shape of ``impl="compiled"`` (:mod:`._compiled_spectral`: a momentum-side pass producing the NS5
+inputs, the batched eager NS5 iteration, a direction-side pass), with the two graphs replaced by
+``nonans_spectral_pre`` / ``nonans_spectral_post`` of ``nonans_optim/native/spectral_step.c``. Measured
+reason (RESULTS.md, "step-time"): on a 3.4M-parameter GPT the two compiled graphs took about 14.5 ms per
+SF-NorMuon step against about 20.5 ms of NS5 matmuls — several times the time their byte traffic needs.
+
+Covered: NS5 with any of NorMuon and schedule-free (SF-NorMuon, Muon), "repair" and "off", contiguous
+fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a bf16 or fp32 hot dtype. Anything
+else (MONA, KL-Shampoo, "skip", fp16 NS5, CUDA) returns False and the caller runs ``impl="compiled"``.
+Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import native
+from .._workspace import Workspace
+from ..functional.spike import SPIKE_BETA
+from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
+from ..routing import matrix_shape
+from ._compiled_spectral import _buckets
+from ._fused import pointers, resolution_pointers
+
+__all__ = ["fused_spectral_update"]
+
+_COVERED = frozenset({"ns5", "normuon", "sf"})
+_POLICY = {"off": 0, "repair": 1}
+
+
+def _member_pointers(stacks: list[torch.Tensor], buckets, n: int):
+    """Per-tensor pointers into the stacked (B, m, n) bucket tensors, in the group's tensor order."""
+    ptrs = [0] * n
+    for X, (members, _) in zip(stacks, buckets):
+        step = X[0].numel() * X.element_size()
+        for j, i in enumerate(members):
+            ptrs[i] = X.data_ptr() + j * step
+    return (ctypes.c_void_p * n)(*ptrs)
+
+
+_WORKSPACE = WeakIdKeyDictionary()  # tensors hash by identity here (a WeakKeyDictionary would compare them)
+
+
+def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype):
+    """The NS5 input stacks, the fp32 scratch and one NS5 workspace per bucket of a group, kept between
+    steps (keyed by the group's first parameter, released with it): fresh buffers each step are handed back
+    to the OS and page-faulted in again (see :mod:`nonans_optim._workspace`). Safe to reuse: all of them
+    only live inside one step, and each bucket's NS5 output stays in its own workspace until post reads it."""
+    cache = _WORKSPACE.get(anchor)
+    if cache is None:
+        cache = _WORKSPACE[anchor] = {}
+    key = (shapes, hot)
+    if key not in cache:
+        cache.clear()
+        inputs = [torch.empty((len(members), *shapes[members[0]]), dtype=hot) for members, _ in buckets]
+        flat = torch.empty(sum(a * b for a, b in shapes), dtype=torch.float32) if hot is not torch.float32 else None
+        cache[key] = (inputs, flat, [Workspace() for _ in buckets])
+    return cache[key]
+
+
+def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                          indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
+                          comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
+    """Run the group's spectral step in the native loops; False (nothing changed) when they do not cover it."""
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    device = params[0].device
+    if "ns5" not in comps or not comps <= _COVERED or policy not in _POLICY or not device.type == "cpu" \
+            or group["ns5_dtype"] == "fp16_safe":
+        return False
+    hot = hot_dtype(device, group["ns5_dtype"])
+    lib = native.library()
+    bufs = [st["momentum_buffer"] for st in states]
+    buf_dtype = bufs[0].dtype
+    if lib is None or hot not in (torch.bfloat16, torch.float32) or buf_dtype not in (torch.bfloat16, torch.float32):
+        return False
+    normuon, sf = "normuon" in comps, "sf" in comps
+    ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers([st["step"] for st in states]),
+            pointers([st["z"] for st in states]) if sf else True,
+            pointers([st["normuon_row_sq"] for st in states]) if normuon else True]
+    if any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
+        return False
+    p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr = ptrs
+    n = len(params)
+    nulls = (ctypes.c_void_p * n)()
+    shapes = [matrix_shape(p) for p in params]
+    rows = (ctypes.c_int64 * n)(*[s[0] for s in shapes])
+    cols = (ctypes.c_int64 * n)(*[s[1] for s in shapes])
+    buckets = _buckets(params)
+    inputs, flat, workspaces = _workspace(params[0], tuple(shapes), buckets, hot)
+    scratch = None
+    if flat is not None:  # M is formed in fp32 before its norm is known: one fp32 scratch
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.numel())
+        scratch = (ctypes.c_void_p * n)(*[flat.data_ptr() + 4 * o for o in offsets])
+    gate = policy != "off"
+    row_ok = torch.ones(sum(s[0] for s in shapes), dtype=torch.uint8) if gate else None
+    hold = torch.zeros(n, dtype=torch.uint8)
+    r = resolution_pointers(ctx, indices)
+    threads = torch.get_num_threads()
+    hp_pre = (ctypes.c_float * 2)(1 - group["momentum"], group["momentum"])
+    rc = lib.nonans_spectral_pre(
+        n, g_ptr, b_ptr, int(buf_dtype is torch.bfloat16), _member_pointers(inputs, buckets, n),
+        int(hot is torch.bfloat16), scratch if scratch is not None else nulls, ctypes.addressof(rows),
+        ctypes.addressof(cols), step_ptr, ctypes.addressof(hp_pre), int(group["nesterov"]), _POLICY[policy],
+        r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
+        row_ok.data_ptr() if gate else None, hold.data_ptr(), r["dense"], threads)
+    if rc != 0:
+        raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
+    coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
+    outs = [iterate(X, coefficients, tall=tall, workspace=ws).contiguous()
+            for X, (_, tall), ws in zip(inputs, buckets, workspaces)]
+    coef = group["sf_beta"] * (1 - c) - 1 if sf else 0.0
+    hp_post = (ctypes.c_float * 5)(1 - group["normuon_beta2"], group["normuon_eps"], group["weight_decay"], c,
+                                   coef)
+    rc = lib.nonans_spectral_post(
+        n, _member_pointers(outs, buckets, n), int(outs[0].dtype is torch.bfloat16), p_ptr,
+        z_ptr if sf else nulls, v_ptr if normuon else nulls, ctypes.addressof(rows), ctypes.addressof(cols),
+        row_ok.data_ptr() if gate else None, hold.data_ptr(), gamma.data_ptr(), ctypes.addressof(hp_post),
+        int(normuon), int(sf), int(sf and group["weight_decay"] != 0), _POLICY[policy], r["sel"], r["scale"],
+        r["dense"], threads)
+    if rc != 0:
+        raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
+    return True
