@@ -8,10 +8,12 @@
  *   pre, per matrix (rows split across threads; every pass of a thread covers the same rows, so the
  *   later passes read from its L2 cache):
  *     1. (resolution on) gradient statistics: sum of squares (the spike guard), non-finite counts, and
- *        whether each row was entirely finite (the NorMuon row gate);
- *     2. gate, momentum (+ Nesterov), the buffer write, the NS5 input M in fp32 and its sum of squares
- *        in double (no fp32 square can overflow or underflow there);
- *     3. X = M / ‖M‖_F in the hot dtype (bf16 or fp32) — the NS5 input, zero staying zero;
+ *        whether each row was entirely finite (the NorMuon row gate); and the gate and momentum
+ *        (+ Nesterov) into the NS5 input M, for its row sums of squares only (fp32, a row again in double
+ *        where fp32 squares overflow or underflow), assuming the spike guard will not fire;
+ *     2. only where it did fire: the row sums of M² again with the guard's scale;
+ *     3. the same arithmetic again, now writing the buffer and X = M / ‖M‖_F in the hot dtype (bf16 or
+ *        fp32) — the NS5 input, zero staying zero;
  *   post, per matrix, on the NS5 output O (hot dtype, the parameter's layout):
  *     A. per row: Σ O², Σ O, the NorMuon row moment and 1/dᵢ;
  *     B. U = O · (1/dᵢ) · (0.2·sqrt(mn)/‖Ô‖_F), the (schedule-free) update, the update guard and hold
@@ -62,12 +64,93 @@ static inline __attribute__((always_inline)) void update_row_(
     *ub_out += ub;
 }
 
+/* One entry of the momentum side: the gate, the buffer's new value (fp32, rounded only on the write)
+ * and the NS5 input M = lerp(g_in, buf, μ) (Nesterov) or buf. */
+static inline float momentum_entry_(float gr, float bo, float s, int gate, float one_m_mu, float mu, int nesterov,
+                                    float *nb_out) {
+    const float G = gr * s; /* s == 1.0f exactly unless the spike guard fired */
+    const float gin = gate ? (finitef_(gr) ? G : bo) : G; /* missing entry: the buffer keeps its value */
+    const float nb = lerpf_(bo, gin, one_m_mu);
+    *nb_out = nb;
+    return nesterov ? lerpf_(gin, nb, mu) : nb;
+}
+
+/* Row helpers of pre. A bf16 row is widened into an fp32 row buffer first (it stays in L1), so every
+ * arithmetic loop runs on plain fp32 arrays and vectorises. */
+static void widen_row_(const void *restrict src, int bf16, float *restrict dst, int64_t C) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)C * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t j = 0; j < C; j++) dst[j] = bf16_to_f32_(h[j]);
+}
+
+static void narrow_row_(const float *restrict src, void *restrict dst, int bf16, int64_t C) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)C * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+#pragma omp simd
+    for (int64_t j = 0; j < C; j++) h[j] = f32_to_bf16_(src[j]);
+}
+
+/* Pass 2 over one row: Σ M², with M recomputed rather than stored (a stored fp32 M cost a 4-byte write
+ * and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway). */
+static double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
+                       float one_m_mu, float mu, int nesterov) {
+    float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+    for (int64_t j = 0; j < C; j++) {
+        float nb;
+        const float M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb);
+        part += M * M;
+    }
+    /* Exact enough unless a square overflowed or the row is so small that squares lost precision (or
+     * underflowed): then this row, still in cache, again in double — the NS5 input stays scale invariant
+     * over fp32's whole range (tests/test_fused_spectral.py). */
+    if (finitef_(part) && part > 1e-30f) return part;
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < C; j++) {
+        float nb;
+        const double M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb);
+        acc += M * M;
+    }
+    return acc;
+}
+
+/* Pass 3 over one row: in place, b becomes the new buffer value and x the NS5 input M / ‖M‖ (fp32; the
+ * caller narrows both). In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp difference from the double
+ * product, below bf16's resolution), else in double (‖M‖ beyond fp32's range). */
+static void row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
+                        int gate, float one_m_mu, float mu, int nesterov, double inv) {
+    const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
+    const float inv_f = (float)inv;
+    if (narrow) {
+#pragma omp simd
+        for (int64_t j = 0; j < C; j++) {
+            float nb;
+            x[j] = momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb) * inv_f;
+            b[j] = nb;
+        }
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < C; j++) {
+            float nb;
+            x[j] = (float)((double)momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb) * inv);
+            b[j] = nb;
+        }
+    }
+}
+
 /* The momentum side. g, buf, x: per tensor; rows/cols: the matrix shape (buf and x have the same layout
- * as g); mscratch: per tensor fp32 scratch of rows·cols entries, or NULL where x is fp32 (then M is
- * written into x and normalised in place); hp = {1-μ, μ}. Resolution (all NULL/0 under "off"): as in
- * scalar_step.c, plus row_ok (out, concatenated rows of every tensor) and hold (out, one per tensor).
- * Returns 0, or 1 when scratch memory could not be allocated (nothing written). */
-int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x, int x_bf16, float **mscratch,
+ * as g); hp = {1-μ, μ}. Resolution (all NULL/0 under "off"): as in scalar_step.c, plus row_ok (out,
+ * concatenated rows of every tensor) and hold (out, one per tensor). Returns 0, or 1 when scratch memory
+ * could not be allocated (nothing written). */
+int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x, int x_bf16,
                         const int64_t *rows, const int64_t *cols, float **step, const float *hp, int nesterov,
                         int policy, float factor, float beta, float one_m_beta, float *ema, const int64_t *sel,
                         const int64_t *clean_streak, const int64_t *events, int64_t repeat_window,
@@ -99,19 +182,31 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             recent[i] = clean_streak[sel[i]] < repeat_window && ev > 0;
         }
     }
+    int64_t max_cols = 1;
+    for (int64_t i = 0; i < n; i++) max_cols = cols[i] > max_cols ? cols[i] : max_cols;
+    float *rowbufs = malloc((size_t)(2 * T * max_cols) * sizeof(float));
+    if (!rowbufs) {
+        free(part); free(cnt); free(new_ema); free(trig);
+        return 1;
+    }
 #pragma omp parallel num_threads(T)
     {
         const int tid = thread_id_(), nt = thread_count_();
+        float *brow = rowbufs + 2 * tid * max_cols, *xrow = brow + max_cols;
         for (int64_t i = 0; i < n; i++) {
             const int64_t R = rows[i], C = cols[i];
             const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
             const float *gi = g[i];
             float s = 1.0f;
             double *gsq = part + row_off[i], *msq = part + total_rows + row_off[i];
-            if (gate) { /* pass 1 */
-                int64_t nan_c = 0, bad_c = 0;
-                for (int64_t r = r0; r < r1; r++) {
-                    const float *gr = gi + r * C;
+            /* pass 1: gradient statistics and, speculating that the spike guard will not fire (s = 1),
+             * the row sums of M². Nothing is written before pass 3, so a wrong guess costs one more
+             * read-only pass over this tensor (pass 2), and only on a step where the guard fires. */
+            const size_t bsz = buf_bf16 ? 2 : 4, xsz = x_bf16 ? 2 : 4;
+            int64_t nan_c = 0, bad_c = 0;
+            for (int64_t r = r0; r < r1; r++) {
+                const float *gr = gi + r * C;
+                if (gate) {
                     float part_ss = 0.0f;
                     int nn = 0, nb = 0;
 #pragma omp simd reduction(+ : part_ss, nn, nb)
@@ -126,9 +221,13 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     bad_c += nb;
                     if (row_ok) row_ok[row_off[i] + r] = nb == 0;
                 }
-                cnt[(i * T + tid) * NPRE] = nan_c;
-                cnt[(i * T + tid) * NPRE + 1] = bad_c;
+                widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
+                msq[r] = row_msq_(gr, brow, C, 1.0f, gate, one_m_mu, mu, nesterov);
+            }
+            cnt[(i * T + tid) * NPRE] = nan_c;
+            cnt[(i * T + tid) * NPRE + 1] = bad_c;
 #pragma omp barrier
+            if (gate) {
                 double tot = 0.0;
                 int64_t nbad = 0;
                 for (int64_t r = 0; r < R; r++) tot += gsq[r];
@@ -141,75 +240,23 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                 }
                 if (tid == 0) hold[i] = policy == POLICY_REPAIR && recent[i] && nbad == R * C;
             }
-            /* pass 2 */
-            float *mi = mscratch[i] ? mscratch[i] : (float *)x[i];
-            for (int64_t r = r0; r < r1; r++) {
-                const int64_t o = r * C;
-                double part_ms = 0.0;
-                float part_f = 0.0f;
-                if (buf_bf16) {
-                    uint16_t *b = (uint16_t *)buf[i] + o;
-#pragma omp simd reduction(+ : part_f)
-                    for (int64_t j = 0; j < C; j++) {
-                        const float gr = gi[o + j], G = gr * s, bo = bf16_to_f32_(b[j]);
-                        const float gin = gate ? (finitef_(gr) ? G : bo) : G;
-                        const float nb = lerpf_(bo, gin, one_m_mu); /* fp32 update, rounded once on the write */
-                        b[j] = f32_to_bf16_(nb);
-                        const float M = nesterov ? lerpf_(gin, nb, mu) : nb;
-                        mi[o + j] = M;
-                        part_f += M * M;
-                    }
-                } else {
-                    float *b = (float *)buf[i] + o;
-#pragma omp simd reduction(+ : part_f)
-                    for (int64_t j = 0; j < C; j++) {
-                        const float gr = gi[o + j], G = gr * s, bo = b[j];
-                        const float gin = gate ? (finitef_(gr) ? G : bo) : G;
-                        const float nb = lerpf_(bo, gin, one_m_mu);
-                        b[j] = nb;
-                        const float M = nesterov ? lerpf_(gin, nb, mu) : nb;
-                        mi[o + j] = M;
-                        part_f += M * M;
-                    }
+            if (s != 1.0f) { /* pass 2: the guard fired (the same decision on every thread) */
+                for (int64_t r = r0; r < r1; r++) {
+                    widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
+                    msq[r] = row_msq_(gi + r * C, brow, C, s, gate, one_m_mu, mu, nesterov);
                 }
-                /* The fp32 row sum is exact enough unless a square overflowed or the row is so small that
-                 * squares lost precision (or underflowed): then that row, still in cache, again in double —
-                 * the NS5 input stays scale invariant over fp32's whole range (tests/test_fused_spectral.py). */
-                if (finitef_(part_f) && part_f > 1e-30f) {
-                    part_ms = part_f;
-                } else {
-#pragma omp simd reduction(+ : part_ms)
-                    for (int64_t j = 0; j < C; j++) part_ms += (double)mi[o + j] * (double)mi[o + j];
-                }
-                msq[r] = part_ms;
-            }
 #pragma omp barrier
+            }
             double msum = 0.0;
             for (int64_t r = 0; r < R; r++) msum += msq[r];
             const double inv = msum > 0.0 ? 1.0 / sqrt(msum) : 0.0;
-            /* pass 3: the NS5 input. In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp difference from
-             * the double product, below bf16's resolution), else in double (‖M‖ beyond fp32's range). */
-            const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
-            const float inv_f = (float)inv;
+            /* pass 3 */
             for (int64_t r = r0; r < r1; r++) {
-                const int64_t o = r * C;
-                if (x_bf16 && narrow) {
-                    uint16_t *xo = (uint16_t *)x[i] + o;
-#pragma omp simd
-                    for (int64_t j = 0; j < C; j++) xo[j] = f32_to_bf16_(mi[o + j] * inv_f);
-                } else if (x_bf16) {
-                    uint16_t *xo = (uint16_t *)x[i] + o;
-#pragma omp simd
-                    for (int64_t j = 0; j < C; j++) xo[j] = f32_to_bf16_((float)((double)mi[o + j] * inv));
-                } else if (narrow) {
-                    float *xo = (float *)x[i] + o;
-#pragma omp simd
-                    for (int64_t j = 0; j < C; j++) xo[j] = mi[o + j] * inv_f;
-                } else {
-                    float *xo = (float *)x[i] + o;
-#pragma omp simd
-                    for (int64_t j = 0; j < C; j++) xo[j] = (float)((double)mi[o + j] * inv);
-                }
+                char *bdst = (char *)buf[i] + (size_t)(r * C) * bsz;
+                widen_row_(bdst, buf_bf16, brow, C);
+                row_update_(gi + r * C, brow, xrow, C, s, gate, one_m_mu, mu, nesterov, inv);
+                narrow_row_(brow, bdst, buf_bf16, C);
+                narrow_row_(xrow, (char *)x[i] + (size_t)(r * C) * xsz, x_bf16, C);
             }
         }
     }
@@ -226,7 +273,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             }
         }
     }
-    free(part); free(cnt); free(new_ema); free(trig);
+    free(part); free(cnt); free(new_ema); free(trig); free(rowbufs);
     return 0;
 }
 

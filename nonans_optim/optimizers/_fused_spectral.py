@@ -47,7 +47,7 @@ _WORKSPACE = WeakIdKeyDictionary()  # tensors hash by identity here (a WeakKeyDi
 
 
 def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype):
-    """The NS5 input stacks, the fp32 scratch and one NS5 workspace per bucket of a group, kept between
+    """The NS5 input stacks, one NS5 workspace per bucket and the row/hold flags of a group, kept between
     steps (keyed by the group's first parameter, released with it): fresh buffers each step are handed back
     to the OS and page-faulted in again (see :mod:`nonans_optim._workspace`). Safe to reuse: all of them
     only live inside one step, and each bucket's NS5 output stays in its own workspace until post reads it."""
@@ -58,8 +58,9 @@ def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype):
     if key not in cache:
         cache.clear()
         inputs = [torch.empty((len(members), *shapes[members[0]]), dtype=hot) for members, _ in buckets]
-        flat = torch.empty(sum(a * b for a, b in shapes), dtype=torch.float32) if hot is not torch.float32 else None
-        cache[key] = (inputs, flat, [Workspace() for _ in buckets])
+        flags = torch.empty(sum(s[0] for s in shapes) + len(shapes), dtype=torch.uint8)
+        # per row "entirely finite" and per tensor "hold": written by pre before post reads them
+        cache[key] = (inputs, [Workspace() for _ in buckets], flags[:-len(shapes)], flags[-len(shapes):])
     return cache[key]
 
 
@@ -91,22 +92,14 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     rows = (ctypes.c_int64 * n)(*[s[0] for s in shapes])
     cols = (ctypes.c_int64 * n)(*[s[1] for s in shapes])
     buckets = _buckets(params)
-    inputs, flat, workspaces = _workspace(params[0], tuple(shapes), buckets, hot)
-    scratch = None
-    if flat is not None:  # M is formed in fp32 before its norm is known: one fp32 scratch
-        offsets = [0]
-        for p in params[:-1]:
-            offsets.append(offsets[-1] + p.numel())
-        scratch = (ctypes.c_void_p * n)(*[flat.data_ptr() + 4 * o for o in offsets])
+    inputs, workspaces, row_ok, hold = _workspace(params[0], tuple(shapes), buckets, hot)
     gate = policy != "off"
-    row_ok = torch.ones(sum(s[0] for s in shapes), dtype=torch.uint8) if gate else None
-    hold = torch.zeros(n, dtype=torch.uint8)
     r = resolution_pointers(ctx, indices)
     threads = torch.get_num_threads()
     hp_pre = (ctypes.c_float * 2)(1 - group["momentum"], group["momentum"])
     rc = lib.nonans_spectral_pre(
         n, g_ptr, b_ptr, int(buf_dtype is torch.bfloat16), _member_pointers(inputs, buckets, n),
-        int(hot is torch.bfloat16), scratch if scratch is not None else nulls, ctypes.addressof(rows),
+        int(hot is torch.bfloat16), ctypes.addressof(rows),
         ctypes.addressof(cols), step_ptr, ctypes.addressof(hp_pre), int(group["nesterov"]), _POLICY[policy],
         r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
         row_ok.data_ptr() if gate else None, hold.data_ptr(), r["dense"], threads)
