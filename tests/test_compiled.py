@@ -91,7 +91,7 @@ def test_fallback_to_foreach_when_compile_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("simulated: no C++ compiler")
 
-    monkeypatch.setattr(_compiled, "_compiled_kernel", lambda sf, policy, factor: broken)
+    monkeypatch.setattr(_compiled, "_compiled_kernel", lambda sf, policy, factor, dtype: broken)
     monkeypatch.setattr(_compiled, "_BROKEN", [])
     with pytest.warns(RuntimeWarning, match="simulated"):
         got, got_opt = _run(no.AdamW, "compiled", "repair")

@@ -228,7 +228,8 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     zs = [st.get("z") for st in states]
     sel, res, factor = resolution_args(ctx, indices, device)
     hot = hot_dtype(device, group["ns5_dtype"])
-    tag = "_".join(sorted(comps)) + f"_{policy}"
+    # one code object per variant and parameter dtype (dynamo's recompile limit counts per code object)
+    tag = "_".join(sorted(comps)) + f"_{policy}_" + str(params[0].dtype).replace("torch.", "")
     pre, post = _kernels(tag)
     try:
         inputs, pre_counts, hold = pre(
