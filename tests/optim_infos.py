@@ -109,3 +109,19 @@ def state_tensors(opt) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor):
                 out[f"{i}.{k}"] = v
     return out
+
+
+def assert_params_and_state_close(ref, ref_opt, got, got_opt, *, rtol=1e-5, atol=1e-6, equal_nan=False):
+    """Two runs of the same steps (an implementation against the loop ground truth): parameters and every
+    state buffer agree within float tolerance, and hold the same state keys."""
+    for p, q in zip(ref, got):
+        torch.testing.assert_close(q, p, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        assert ref_opt.state[p].keys() == got_opt.state[q].keys()
+        for key, val in ref_opt.state[p].items():
+            torch.testing.assert_close(got_opt.state[q][key], val, rtol=rtol, atol=atol, equal_nan=equal_nan)
+
+
+def event_tuples(opt) -> list[tuple]:
+    """The optimizer's events as comparable tuples."""
+    return [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.escalated) for e in opt.events]
+

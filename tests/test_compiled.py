@@ -13,6 +13,7 @@ import torch
 
 import nonans_optim as no
 from nonans_optim.optimizers import _compiled
+from optim_infos import assert_params_and_state_close, event_tuples
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
 
@@ -50,12 +51,7 @@ def test_compiled_matches_loop(cls, policy):
         ref, ref_opt = _run(cls, "loop", policy)
         got, got_opt = _run(cls, "compiled", policy)
     assert _compiled.compile_available()
-    for p, q in zip(ref, got):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True)
-        assert ref_opt.state[p].keys() == got_opt.state[q].keys()
-        for key in ref_opt.state[p]:
-            torch.testing.assert_close(got_opt.state[q][key], ref_opt.state[p][key], rtol=1e-5, atol=1e-6,
-                                       equal_nan=True)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
     if policy == "off":
         assert not any(torch.isfinite(p).all() for p in got)  # stock arithmetic: the faults got through
         return
@@ -64,8 +60,7 @@ def test_compiled_matches_loop(cls, policy):
     for key in ("counts", "events", "scale", "escalations"):
         assert torch.equal(got_res[key], ref_res[key]), key
     assert got_res["counts"].sum() > 0
-    assert [(e.step, e.param, e.stage, e.nan_count, e.inf_count) for e in got_opt.events] == \
-           [(e.step, e.param, e.stage, e.nan_count, e.inf_count) for e in ref_opt.events]
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
 
 
 def test_lr_change_and_clean_repair_equals_off():

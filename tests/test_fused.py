@@ -19,7 +19,7 @@ import nonans_optim as no
 from nonans_optim import native
 from nonans_optim.optimizers import _fused
 from nonans_optim.resolution import STAGES, Resolution
-from optim_infos import make_model, train_steps
+from optim_infos import assert_params_and_state_close, event_tuples
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 
@@ -59,10 +59,6 @@ def _run(cls, impl: str, policy: str, threads: int = 2, **kw):
     return params, opt
 
 
-def _events(opt):
-    return [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.escalated) for e in opt.events]
-
-
 @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_fused_matches_loop(cls, policy):
@@ -70,12 +66,7 @@ def test_fused_matches_loop(cls, policy):
         warnings.simplefilter("error", RuntimeWarning)  # a silent fallback would fail here
         ref, ref_opt = _run(cls, "loop", policy)
         got, got_opt = _run(cls, "fused", policy)
-    for p, q in zip(ref, got):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True)
-        assert ref_opt.state[p].keys() == got_opt.state[q].keys()
-        for key in ref_opt.state[p]:
-            torch.testing.assert_close(got_opt.state[q][key], ref_opt.state[p][key], rtol=1e-5, atol=1e-6,
-                                       equal_nan=True)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
     if policy == "off":
         assert not all(torch.isfinite(p).all() for p in got)  # stock arithmetic: the faults got through
         return
@@ -85,9 +76,9 @@ def test_fused_matches_loop(cls, policy):
         if key != "grad_norm_ema":
             assert torch.equal(got_res[key], ref_res[key]), key
     torch.testing.assert_close(got_res["grad_norm_ema"], ref_res["grad_norm_ema"], rtol=1e-5, atol=0)
-    stages = {e[2] for e in _events(got_opt)}
+    stages = {e[2] for e in event_tuples(got_opt)}
     assert {"grad", "moment", "spike"} <= stages, stages  # every injected kind was seen
-    assert _events(got_opt) == _events(ref_opt)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
     if policy == "repair":  # the repeated whole-tensor loss held the vector on step 3 (4 with 1-based steps)
         assert got_res["escalations"].sum() > 0
 
@@ -99,8 +90,8 @@ def test_thread_count_does_not_change_results(cls):
     runs = [_run(cls, "fused", "repair", threads=t) for t in (1, 2)]
     for p, q in zip(runs[0][0], runs[1][0]):
         assert torch.equal(p, q)
-    assert _events(runs[0][1]) == _events(runs[1][1])
-    assert "spike" in {e[2] for e in _events(runs[1][1])}
+    assert event_tuples(runs[0][1]) == event_tuples(runs[1][1])
+    assert "spike" in {e[2] for e in event_tuples(runs[1][1])}
 
 
 def test_unsupported_tensors_run_compiled(monkeypatch):

@@ -10,6 +10,7 @@ import torch
 import nonans_optim as no
 from nonans_optim import native
 from nonans_optim.optimizers import _fused_spectral, _spectral
+from optim_infos import assert_params_and_state_close, event_tuples
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 
@@ -39,10 +40,6 @@ def _run(impl="fused", *, threads=2, scale=1.0, steps=6, inject=True, cls=no.SFN
     return ps, opt
 
 
-def _events(opt):
-    return [(e.step, e.param, e.stage, e.nan_count, e.inf_count) for e in opt.events]
-
-
 def test_native_loops_run_for_sfnormuon_and_muon(monkeypatch):
     ran = []
     real = _fused_spectral.fused_spectral_update
@@ -60,8 +57,8 @@ def test_thread_count_does_not_change_results():
         assert torch.equal(p, q)
         for k in oa.state[p]:
             assert torch.equal(oa.state[p][k], ob.state[q][k]), k
-    assert _events(oa) == _events(ob)
-    assert {"grad", "spike"} <= {e[2] for e in _events(ob)}
+    assert event_tuples(oa) == event_tuples(ob)
+    assert {"grad", "spike"} <= {e[2] for e in event_tuples(ob)}
 
 
 @pytest.mark.parametrize("momentum_dtype", ["auto", "param"])
@@ -70,11 +67,8 @@ def test_faults_spike_and_hold_match_loop(momentum_dtype):
     chosen, is rounded the same way by both)."""
     kw = dict(ns5_dtype="fp32", momentum_dtype=momentum_dtype)
     (ref, ref_opt), (got, got_opt) = _run("loop", **kw), _run("fused", **kw)
-    for p, q in zip(ref, got):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
-        for k in ref_opt.state[p]:
-            torch.testing.assert_close(got_opt.state[q][k], ref_opt.state[p][k], rtol=1e-5, atol=1e-6)
-    assert _events(got_opt) == _events(ref_opt)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
     r, g = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
     assert torch.equal(r["escalations"], g["escalations"]) and g["escalations"].sum() > 0
 
