@@ -135,6 +135,10 @@ def test_builds_into_a_fresh_cache_and_reports_a_broken_compiler(tmp_path, monke
     lib = native.library.__wrapped__()
     assert lib is not None and hasattr(lib, "nonans_scalar_step")
     assert len(list((tmp_path / "ok").glob("nonans_native-*.so"))) == 1
+    blocker = tmp_path / "a-file"  # a cache "folder" that cannot be created: the temporary folder serves
+    blocker.write_text("")
+    monkeypatch.setenv("NONANS_CACHE_DIR", str(blocker / "cache"))
+    assert native.library.__wrapped__() is not None
     monkeypatch.setenv("NONANS_CACHE_DIR", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setattr(native, "_compiler", lambda: "false")

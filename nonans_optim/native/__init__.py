@@ -62,12 +62,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the built library is kept: ``$NONANS_CACHE_DIR``, else ``$XDG_CACHE_HOME`` or ``~/.cache``
+    (``/nonans_optim``); then a per-user folder in the temporary directory, for a read-only home."""
     root = os.environ.get("NONANS_CACHE_DIR")
     if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "nonans_optim"
+        first = Path(root)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        first = (Path(xdg) if xdg else Path.home() / ".cache") / "nonans_optim"
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return [first, Path(tempfile.gettempdir()) / f"nonans_optim-{uid}"]
 
 
 def _build(cc: str, flags: list[str], out: Path) -> str | None:
@@ -119,10 +124,10 @@ def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_sc
     import torch  # deferred: this module is imported by the optimizers, torch is already loaded then
 
     args = [tensors[k] for k in _RECORD_KEYS]
-    if not all(t.is_cpu and t.is_contiguous() for t in (*args, step_counts)) \
-            or step_counts.dtype != torch.int64 or tensors["scale"].dtype != torch.float32 \
-            or tensors["ring_escalated"].dtype != torch.bool:
-        return False
+    expected = {"scale": torch.float32, "ring_escalated": torch.bool}
+    if not all(t.is_cpu and t.is_contiguous() and t.dtype == expected.get(k, torch.int64)
+               for k, t in (*zip(_RECORD_KEYS, args), ("step_counts", step_counts))):
+        return False  # e.g. counters loaded from a checkpoint in another dtype: the torch path handles them
     P, K = tensors["scale"].shape[0], tensors["ring_step"].shape[0]
     lib.nonans_record_step(P, K, step_counts.data_ptr(), step, backoff, min_scale, growth_interval,
                            repeat_window, *[t.data_ptr() for t in args])
@@ -141,16 +146,24 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        errors = []
-        for flags in _VARIANTS:
-            key = hashlib.sha256("\0".join([*[s.read_text() for s in SOURCES], cc, version, _cpu_flags(), platform.machine(),
-                                            *_BASE_FLAGS, *flags]).encode()).hexdigest()[:20]
-            out = _cache_dir() / f"nonans_native-{key}.so"
-            err = None if out.exists() else _build(cc, flags, out)
-            if err is None:
-                return _declare(ctypes.CDLL(str(out)))
+    except OSError as err:
+        _FAILURE.append(f"{cc} --version: {type(err).__name__}: {err}")
+        return None
+    sources = [s.read_text() for s in SOURCES]
+    errors = []
+    for flags in _VARIANTS:
+        key = hashlib.sha256("\0".join([*sources, cc, version, _cpu_flags(), platform.machine(), *_BASE_FLAGS,
+                                        *flags]).encode()).hexdigest()[:20]
+        for folder in _cache_dirs():
+            out = folder / f"nonans_native-{key}.so"
+            try:
+                err = None if out.exists() else _build(cc, flags, out)
+                if err is None:
+                    return _declare(ctypes.CDLL(str(out)))
+            except OSError as os_err:  # an unwritable cache folder, a library that does not load: next folder
+                errors.append(f"{out}: {type(os_err).__name__}: {os_err}")
+                continue
             errors.append(err)
-        _FAILURE.append("the C compiler failed: " + errors[0])
-    except OSError as err:  # unwritable cache directory, a library that does not load
-        _FAILURE.append(f"{type(err).__name__}: {err}")
+            break  # the compiler rejected these flags: the folder is not the problem
+    _FAILURE.append("the C compiler failed: " + errors[0] if errors else "no variant could be built")
     return None
