@@ -25,7 +25,7 @@
 
 #include "common.h"
 
-enum { NPRE = 4 };   /* per tensor and thread, pre: grad nan, grad non-finite; (pass 1 only) non-finite again */
+enum { NPRE = 2 };   /* per tensor and thread, pre: grad nan, grad non-finite */
 
 /* Pass B over one row: d = O·rsc, the update, the guard; sf/decay/gate are constants at every call site
  * (one straight vector loop per variant). Adds the row's update counts to *un, *ub. */
@@ -166,8 +166,11 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
     int64_t *cnt = calloc((size_t)(n * T * NPRE + 2 * n + 1), sizeof(int64_t));
     float *new_ema = calloc((size_t)(n + 1), sizeof(float));
     int *trig = calloc((size_t)(n + 1), sizeof(int));
-    if (!part || !cnt || !new_ema || !trig) {
-        free(part); free(cnt); free(new_ema); free(trig);
+    int64_t max_cols = 1;
+    for (int64_t i = 0; i < n; i++) max_cols = cols[i] > max_cols ? cols[i] : max_cols;
+    float *rowbufs = malloc((size_t)(2 * T * max_cols) * sizeof(float)); /* per thread: buffer row, X row */
+    if (!part || !cnt || !new_ema || !trig || !rowbufs) { /* before anything is written, the steps included */
+        free(part); free(cnt); free(new_ema); free(trig); free(rowbufs);
         return 1;
     }
     int64_t *row_off = cnt + n * T * NPRE, *recent = row_off + n;
@@ -181,13 +184,6 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             for (int s = 0; s < NSTAGE; s++) ev += events[sel[i] * NSTAGE + s];
             recent[i] = clean_streak[sel[i]] < repeat_window && ev > 0;
         }
-    }
-    int64_t max_cols = 1;
-    for (int64_t i = 0; i < n; i++) max_cols = cols[i] > max_cols ? cols[i] : max_cols;
-    float *rowbufs = malloc((size_t)(2 * T * max_cols) * sizeof(float));
-    if (!rowbufs) {
-        free(part); free(cnt); free(new_ema); free(trig);
-        return 1;
     }
 #pragma omp parallel num_threads(T)
     {
