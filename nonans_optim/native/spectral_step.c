@@ -99,7 +99,7 @@ static void narrow_row_(const float *restrict src, void *restrict dst, int bf16,
 
 /* Pass 2 over one row: Σ M², with M recomputed rather than stored (a stored fp32 M cost a 4-byte write
  * and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway). */
-static double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
+static inline __attribute__((always_inline)) double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
                        float one_m_mu, float mu, int nesterov) {
     float part = 0.0f;
 #pragma omp simd reduction(+ : part)
@@ -125,7 +125,7 @@ static double row_msq_(const float *restrict gr, const float *restrict bo, int64
 /* Pass 3 over one row: in place, b becomes the new buffer value and x the NS5 input M / ‖M‖ (fp32; the
  * caller narrows both). In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp difference from the double
  * product, below bf16's resolution), else in double (‖M‖ beyond fp32's range). */
-static void row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
+static inline __attribute__((always_inline)) void row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
                         int gate, float one_m_mu, float mu, int nesterov, double inv) {
     const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
     const float inv_f = (float)inv;
@@ -169,8 +169,9 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
     int64_t max_cols = 1;
     for (int64_t i = 0; i < n; i++) max_cols = cols[i] > max_cols ? cols[i] : max_cols;
     float *rowbufs = malloc((size_t)(2 * T * max_cols) * sizeof(float)); /* per thread: buffer row, X row */
-    if (!part || !cnt || !new_ema || !trig || !rowbufs) { /* before anything is written, the steps included */
-        free(part); free(cnt); free(new_ema); free(trig); free(rowbufs);
+    uint8_t *rowbad = calloc((size_t)(total_rows + 1), 1);                /* row had a non-finite gradient */
+    if (!part || !cnt || !new_ema || !trig || !rowbufs || !rowbad) { /* before anything is written */
+        free(part); free(cnt); free(new_ema); free(trig); free(rowbufs); free(rowbad);
         return 1;
     }
     int64_t *row_off = cnt + n * T * NPRE, *recent = row_off + n;
@@ -215,10 +216,14 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     gsq[r] = part_ss;
                     nan_c += nn;
                     bad_c += nb;
+                    rowbad[row_off[i] + r] = nb > 0;
                     if (row_ok) row_ok[row_off[i] + r] = nb == 0;
                 }
                 widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
-                msq[r] = row_msq_(gr, brow, C, 1.0f, gate, one_m_mu, mu, nesterov);
+                /* A row with no bad entry takes the ungated loop: the same values (the gate selects g
+                 * there anyway), one select fewer per entry in a loop that is compute-bound. */
+                msq[r] = gate && rowbad[row_off[i] + r] ? row_msq_(gr, brow, C, 1.0f, 1, one_m_mu, mu, nesterov)
+                                                        : row_msq_(gr, brow, C, 1.0f, 0, one_m_mu, mu, nesterov);
             }
             cnt[(i * T + tid) * NPRE] = nan_c;
             cnt[(i * T + tid) * NPRE + 1] = bad_c;
@@ -239,7 +244,8 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             if (s != 1.0f) { /* pass 2: the guard fired (the same decision on every thread) */
                 for (int64_t r = r0; r < r1; r++) {
                     widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
-                    msq[r] = row_msq_(gi + r * C, brow, C, s, gate, one_m_mu, mu, nesterov);
+                    msq[r] = gate && rowbad[row_off[i] + r] ? row_msq_(gi + r * C, brow, C, s, 1, one_m_mu, mu, nesterov)
+                                                            : row_msq_(gi + r * C, brow, C, s, 0, one_m_mu, mu, nesterov);
                 }
 #pragma omp barrier
             }
@@ -250,7 +256,8 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             for (int64_t r = r0; r < r1; r++) {
                 char *bdst = (char *)buf[i] + (size_t)(r * C) * bsz;
                 widen_row_(bdst, buf_bf16, brow, C);
-                row_update_(gi + r * C, brow, xrow, C, s, gate, one_m_mu, mu, nesterov, inv);
+                if (gate && rowbad[row_off[i] + r]) row_update_(gi + r * C, brow, xrow, C, s, 1, one_m_mu, mu, nesterov, inv);
+                else row_update_(gi + r * C, brow, xrow, C, s, 0, one_m_mu, mu, nesterov, inv);
                 narrow_row_(brow, bdst, buf_bf16, C);
                 narrow_row_(xrow, (char *)x[i] + (size_t)(r * C) * xsz, x_bf16, C);
             }
@@ -269,7 +276,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             }
         }
     }
-    free(part); free(cnt); free(new_ema); free(trig); free(rowbufs);
+    free(part); free(cnt); free(new_ema); free(trig); free(rowbufs); free(rowbad);
     return 0;
 }
 
