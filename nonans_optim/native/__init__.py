@@ -1,6 +1,6 @@
-"""The native CPU kernels behind ``impl="fused"``: built from ``scalar_step.c`` (the (SF-)AdamW step) and
-``spectral_step.c`` (the elementwise work around NS5) with the system C compiler on first use, cached, and
-loaded with ctypes.
+"""The native CPU kernels behind ``impl="fused"``: built from ``scalar_step.c`` (the (SF-)AdamW step),
+``spectral_pre.c`` and ``spectral_post.c`` (the elementwise work before and after NS5) with the system C
+compiler on first use, cached, and loaded with ctypes.
 
 Why C and not torch.compile: inductor (torch 2.13) turns the (SF-)AdamW + resolution graph into several
 passes per tensor on CPU and takes each event count as its own reduction, which left the compiled step at
@@ -33,7 +33,7 @@ from pathlib import Path
 __all__ = ["library", "failure", "record_step", "SOURCES"]
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "common.h", _DIR / "scalar_step.c", _DIR / "spectral_step.c")
+SOURCES = (_DIR / "common.h", _DIR / "scalar_step.c", _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 # Tried in order: the first that compiles wins.
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])

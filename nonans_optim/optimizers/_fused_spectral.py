@@ -2,9 +2,10 @@
 
 The shape of ``impl="compiled"`` (:mod:`._compiled_spectral`: a momentum-side pass producing the NS5
 inputs, the batched eager NS5 iteration, a direction-side pass), with the two graphs replaced by
-``nonans_spectral_pre`` / ``nonans_spectral_post`` of ``nonans_optim/native/spectral_step.c``. Measured
-reason (RESULTS.md, "step-time"): on a 3.4M-parameter GPT the two compiled graphs took about 14.5 ms per
-SF-NorMuon step against about 20.5 ms of NS5 matmuls — several times the time their byte traffic needs.
+``nonans_spectral_pre`` and ``nonans_spectral_post`` (``nonans_optim/native/spectral_pre.c`` and
+``spectral_post.c``). Measured reason (RESULTS.md, "step-time"): on a 3.4M-parameter GPT the two compiled
+graphs took about 14.5 ms per SF-NorMuon step against about 20.5 ms of NS5 matmuls — several times the
+time their byte traffic needs.
 
 Covered: NS5 with any of NorMuon and schedule-free (SF-NorMuon, Muon), "repair" and "off", contiguous
 fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a bf16 or fp32 hot dtype. Anything

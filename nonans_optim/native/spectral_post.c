@@ -1,0 +1,162 @@
+/* The direction side of impl="fused" on the spectral path: NorMuon, RMS matching, the (schedule-free)
+ * update, the update guard and the counts, on the NS5 output. The whole design is described at the top
+ * of spectral_pre.c (the momentum side); ground truth: nonans_optim/optimizers/_spectral.py.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+/* Pass B over one row: d = O·rsc, the update, the guard; sf/decay/gate are constants at every call site
+ * (one straight vector loop per variant). Adds the row's update counts to *un, *ub. */
+static inline __attribute__((always_inline)) void update_row_(
+        const int sf, const int decay, const int gate, const float *restrict orow, float *restrict pr,
+        float *restrict zr, int64_t C, float rsc, float lr, float lrc, float wdf, float wd, float c, int keep,
+        int64_t *un_out, int64_t *ub_out) {
+    int un = 0, ub = 0;
+#pragma omp simd reduction(+ : un, ub)
+    for (int64_t j = 0; j < C; j++) {
+        float d = orow[j] * rsc;
+        const float po = pr[j];
+        float y, zo = 0.0f, zn = 0.0f;
+        if (sf) {
+            zo = zr[j];
+            if (decay) d = d + zo * wd; /* skipped when λ = 0, as eager does: 0·z would turn an Inf z into NaN */
+            y = lerpf_(po, zo, c) + d * lrc;
+            zn = zo - d * lr;
+        } else {
+            y = po * wdf - lr * d;
+        }
+        if (gate) {
+            un += y != y;
+            ub += !finitef_(y);
+            y = (finitef_(y) & !keep) ? y : po;
+            if (sf) {
+                un += zn != zn;
+                ub += !finitef_(zn);
+                zn = (finitef_(zn) & !keep) ? zn : zo;
+            }
+        }
+        pr[j] = y;
+        if (sf) zr[j] = zn;
+    }
+    *un_out += un;
+    *ub_out += ub;
+}
+
+/* The direction side, on the NS5 outputs o (hot dtype, the parameters' layout). p, z (NULL without
+ * schedule-free), v (NorMuon row moments, NULL without NorMuon): per tensor; row_ok and hold as pre wrote
+ * them; hp = {1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1}; gamma: the 0-d step size; scale: escalation (gate only).
+ * Returns 0, or 1 when scratch memory could not be allocated (nothing written). */
+int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, float **v, const int64_t *rows,
+                         const int64_t *cols, const uint8_t *row_ok, const uint8_t *hold, const float *gamma,
+                         const float *hp, int normuon, int sf, int decay, int policy, const int64_t *sel,
+                         const float *scale, int64_t *dense, int nthreads) {
+    const int T = nthreads > 0 ? nthreads : 1;
+    const int gate = policy != POLICY_OFF;
+    const float one_m_b2 = hp[0], eps = hp[1], wd = hp[2], c = hp[3], coef = hp[4];
+    int64_t total_rows = 0;
+    for (int64_t i = 0; i < n; i++) total_rows += rows[i];
+    float *rs = calloc((size_t)(3 * total_rows + 1), sizeof(float));   /* Σ O², Σ O, 1/dᵢ per row */
+    int64_t *cnt = calloc((size_t)(2 * n * T + 3 * n + 1), sizeof(int64_t));  /* counts, row offsets, dir counts */
+    if (!rs || !cnt) {
+        free(rs); free(cnt);
+        return 1;
+    }
+    int64_t *row_off = cnt + 2 * n * T, *dirc = row_off + n;
+    int64_t max_cols = 1;
+    for (int64_t i = 0, acc = 0; i < n; i++) {
+        row_off[i] = acc;
+        acc += rows[i];
+        max_cols = cols[i] > max_cols ? cols[i] : max_cols;
+    }
+    float *rowbufs = o_bf16 ? malloc((size_t)(T * max_cols) * sizeof(float)) : NULL;
+    if (o_bf16 && !rowbufs) {
+        free(rs); free(cnt);
+        return 1;
+    }
+#pragma omp parallel num_threads(T)
+    {
+        const int tid = thread_id_(), nt = thread_count_();
+        float *rowbuf = o_bf16 ? rowbufs + tid * max_cols : NULL;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t R = rows[i], C = cols[i], base = row_off[i];
+            const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
+            float *row_sq = rs + base, *row_sum = rs + total_rows + base, *inv = rs + 2 * total_rows + base;
+            /* pass A */
+            for (int64_t r = r0; r < r1; r++) {
+                float sq = 0.0f, sm = 0.0f;
+                if (o_bf16) {
+                    const uint16_t *orow = (const uint16_t *)o[i] + r * C;
+#pragma omp simd reduction(+ : sq, sm)
+                    for (int64_t j = 0; j < C; j++) { const float x = bf16_to_f32_(orow[j]); sq += x * x; sm += x; }
+                } else {
+                    const float *orow = (const float *)o[i] + r * C;
+#pragma omp simd reduction(+ : sq, sm)
+                    for (int64_t j = 0; j < C; j++) { const float x = orow[j]; sq += x * x; sm += x; }
+                }
+                row_sq[r] = sq;
+                row_sum[r] = sm;
+                float d = 1.0f;
+                if (normuon) {
+                    const float vo = v[i][r];
+                    float vn = lerpf_(vo, sq / (float)C, one_m_b2);
+                    if (gate) vn = row_ok[base + r] ? vn : vo; /* a row that saw a bad gradient keeps its moment */
+                    d = 1.0f / (sqrtf(vn) + eps);
+                    if (gate) vn = finitef_(vn) ? vn : vo;
+                    v[i][r] = vn;
+                }
+                inv[r] = d;
+            }
+#pragma omp barrier
+            /* ‖Ô‖_F and the RMS-matching factor: the same sum, in the same order, on every thread */
+            double nsq = 0.0;
+            for (int64_t r = 0; r < R; r++) nsq += (double)(row_sq[r] * inv[r] * inv[r]);
+            const float norm = (float)sqrt(nsq);
+            const float target = (float)(0.2 * sqrt((double)(R * C)));
+            const float fac = norm > 0.0f ? target / norm : 0.0f;
+            if (gate && tid == 0) { /* ΣU = Σᵢ row_scaleᵢ·ΣⱼOᵢⱼ: finite iff every entry of U is */
+                float total = 0.0f;
+                for (int64_t r = 0; r < R; r++) total += row_sum[r] * (inv[r] * fac);
+                dirc[2 * i] = total != total;
+                dirc[2 * i + 1] = isinf(total) != 0;
+            }
+            const float lr = gate ? *gamma * scale[sel[i]] : *gamma;
+            const float lrc = lr * coef, wdf = 1.0f - lr * wd;
+            const int keep = gate && hold[i];
+            int64_t un_t = 0, ub_t = 0;
+            /* pass B (a bf16 row is widened into the thread's row buffer first, which stays in L1) */
+            for (int64_t r = r0; r < r1; r++) {
+                const float rsc = inv[r] * fac;
+                const float *orow = (const float *)o[i] + r * C;
+                if (o_bf16) {
+                    const uint16_t *src = (const uint16_t *)o[i] + r * C;
+#pragma omp simd
+                    for (int64_t j = 0; j < C; j++) rowbuf[j] = bf16_to_f32_(src[j]);
+                    orow = rowbuf;
+                }
+                float *pr = p[i] + r * C, *zr = sf ? z[i] + r * C : NULL;
+                if (!gate && !sf) update_row_(0, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate && !decay) update_row_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate) update_row_(1, 1, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!sf) update_row_(0, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                else if (!decay) update_row_(1, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                else update_row_(1, 1, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+            }
+            cnt[(i * T + tid) * 2] = keep ? 0 : un_t; /* a held tensor writes nothing, so counts nothing */
+            cnt[(i * T + tid) * 2 + 1] = keep ? 0 : ub_t;
+        }
+    }
+    if (gate && dense != NULL) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t un = 0, ub = 0;
+            for (int t = 0; t < T; t++) { un += cnt[(i * T + t) * 2]; ub += cnt[(i * T + t) * 2 + 1]; }
+            int64_t *row = dense + sel[i] * NSTAGE * 2;
+            row[ST_DIRECTION * 2] += dirc[2 * i];
+            row[ST_DIRECTION * 2 + 1] += dirc[2 * i + 1];
+            row[ST_UPDATE * 2] += un;
+            row[ST_UPDATE * 2 + 1] += ub - un;
+        }
+    }
+    free(rs); free(cnt); free(rowbufs);
+    return 0;
+}
