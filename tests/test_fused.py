@@ -166,3 +166,22 @@ def test_native_record_step_matches_torch(seq):
         got.record_step(step, c, native=True)
     for k in ref.tensors:
         assert torch.equal(ref.tensors[k], got.tensors[k]), k
+
+
+@pytest.mark.parametrize("make", [lambda ps: no.AdamW(ps, impl="fused"),
+                                  lambda ps: no.SFNorMuon([{"params": ps, "path": "spectral"}], impl="fused")],
+                         ids=["AdamW", "SFNorMuon"])
+def test_writes_are_visible_to_autograd(make):
+    """The C loops write through data pointers, so they bump the version counters themselves: a graph
+    that saved a parameter before step() must refuse to backprop through the updated values, as it
+    does after torch's own in-place optimizers."""
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = make([p])
+    loss = (p * p).sum()  # saves p for backward
+    p.grad = torch.ones_like(p)
+    before = p._version
+    opt.step()
+    assert p._version > before
+    assert all(t._version > 0 for t in opt.state[p].values() if isinstance(t, torch.Tensor))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -131,6 +131,7 @@ def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_sc
     P, K = tensors["scale"].shape[0], tensors["ring_step"].shape[0]
     lib.nonans_record_step(P, K, step_counts.data_ptr(), step, backoff, min_scale, growth_interval,
                            repeat_window, *[t.data_ptr() for t in args])
+    torch.autograd.graph.increment_version(args)  # written in place, as torch's own ops would record
     return True
 
 

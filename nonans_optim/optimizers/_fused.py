@@ -21,13 +21,14 @@ import warnings
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import native
 from ..functional.spike import SPIKE_BETA
 from ._common import dense_counts
 from ._compiled import compiled_scalar_update
 
-__all__ = ["fused_scalar_update", "pointers", "resolution_pointers"]
+__all__ = ["fused_scalar_update", "pointers", "resolution_pointers", "mark_written", "resolution_written"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
@@ -38,6 +39,20 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32):
     (a pointer to anything else — a CUDA address, a strided view — must never reach the C loops)."""
     ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is dtype and t.is_contiguous()]
     return (ctypes.c_void_p * len(ptrs))(*ptrs) if len(ptrs) == len(tensors) else None
+
+
+def mark_written(*groups: list[torch.Tensor]) -> None:
+    """Bump the autograd version counter of every tensor a C loop wrote: torch's own in-place ops do, and
+    without it a graph that saved a parameter before ``step()`` would silently backprop through the new
+    values instead of raising "modified by an inplace operation" (and version-keyed caches would go stale)."""
+    increment_version([t for group in groups for t in group])
+
+
+def resolution_written(ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """The Resolution tensors the C loops update in place (none under "off")."""
+    if ctx["resolution"] is None:
+        return []
+    return [ctx["resolution"].tensors["grad_norm_ema"], ctx["dense"]]
 
 
 def resolution_pointers(ctx: dict[str, Any], indices: list[int]) -> dict[str, Any]:
@@ -74,6 +89,7 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
             _warn_unavailable()
         return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     p_ptr, g_ptr, second, v_ptr, step_ptr = ptrs
+    vs = [st["exp_avg_sq"] for st in states]
     nulls = (ctypes.c_void_p * len(params))()
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     beta1, beta2 = group["betas"]
@@ -89,3 +105,5 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
         r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads())
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")
+    mark_written(params, [st["z" if sf else "exp_avg"] for st in states], vs, [st["step"] for st in states],
+                 resolution_written(ctx))

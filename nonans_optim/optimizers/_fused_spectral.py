@@ -26,7 +26,7 @@ from ..functional.spike import SPIKE_BETA
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
-from ._fused import pointers, resolution_pointers
+from ._fused import mark_written, pointers, resolution_pointers, resolution_written
 
 __all__ = ["fused_spectral_update"]
 
@@ -120,4 +120,6 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         r["dense"], threads)
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
+    mark_written(params, bufs, [st["step"] for st in states], [st["z"] for st in states] if sf else [],
+                 [st["normuon_row_sq"] for st in states] if normuon else [], resolution_written(ctx))
     return True
