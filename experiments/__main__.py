@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "questions": ("experiments.questions", "FusionOpt's open questions, one experiment each (issue 6)"),
     "watch-overhead": ("experiments.watch_overhead", "overhead of nonans_optim.watch() on CPU models"),
     "spikes": ("experiments.spikes", "finite gradient spikes: the spike_factor guard measured (issue 3)"),
+    "spike-guards": ("experiments.spike_guards", "norm-ratio vs element-wise spike guard on AdamW (issue 3)"),
     "momentum-dtype": ("experiments.momentum_dtype", "SF-NorMuon momentum buffer in bf16 vs fp32 (issue 2)"),
     "ns5-method": ("experiments.ns5_method", "standard vs Gram Newton-Schulz on CPU (issue 2)"),
     "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),

@@ -88,8 +88,10 @@ def _outlier(task_name: str, batch: Any, g: torch.Generator) -> Any:
 
 
 def run_one(task_name: str, opt_name: str, factor: float | None, condition: str, seed: int, steps: int,
-            lr: float = LR) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """One training run; returns (JSON record, final parameters — for the bit-identity check)."""
+            lr: float = LR, extra_pre_step=None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One training run; returns (JSON record, final parameters — for the bit-identity check).
+    ``extra_pre_step(step, opt, loss)`` runs after the spike is injected, just before ``step()`` (another
+    guard under test: ``experiments/spike_guards.py``)."""
     task = make_task(task_name, seed, **TASK_KWARGS.get(task_name, {}))
     kind, mult = CONDITIONS[condition] or (None, 1.0)
     at = set(spike_steps(steps, seed)) if kind else set()
@@ -118,6 +120,8 @@ def run_one(task_name: str, opt_name: str, factor: float | None, condition: str,
                 head["ema"] = norms
         if kind == "grad" and step in at:
             target.grad = target.grad * mult  # a new tensor: the spike is ours, the optimizer must not fix it
+        if extra_pre_step is not None:
+            extra_pre_step(step, opt, loss)
 
     def on_step(step, opt, loss):
         losses.append(float(loss.detach()))

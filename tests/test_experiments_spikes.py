@@ -86,3 +86,19 @@ def test_decision_rule():
     # a diverged seed is never "recovered"
     d = spikes.decide(_fake({None: (0, {"a": float("inf")}), 10.0: (0, {"a": float("inf")})}))
     assert d["default"] is None and d["per_factor"]["10.0"]["recovered"] == 0
+
+
+def test_spike_guards_smoke(tmp_path):
+    """``python -m experiments spike-guards`` on a tiny run: every arm and condition, a pairing that makes
+    the clean unguarded run's gap exactly 0, and the element-wise clip really clipping something."""
+    from experiments import spike_guards
+    out = tmp_path / "sg.json"
+    assert spike_guards.main(["--tasks", "digits", "--seeds", "1", "--steps", "24", "--out", str(out),
+                              "--results-md", ""]) == 0
+    data = json.loads(out.read_text())
+    assert {(r["condition"], r["arm"]) for r in data["runs"]} == \
+        {(c, a) for c in spikes.CONDITIONS for a in spike_guards.ARMS}
+    by = {(r["condition"], r["arm"]): r for r in data["runs"]}
+    assert by[("clean", "none")]["val_gap"] == 0.0 and by[("clean", "norm k=10")]["identical_to_unguarded"]
+    assert by[("grad1e6", "elementwise θ=100")]["triggers"] > 0
+    assert "spiked cells recovered" in spike_guards.render(data)
