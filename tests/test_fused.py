@@ -1,10 +1,12 @@
-"""impl="fused" (the native C loop, nonans_optim/native) against impl="loop", the ground truth.
+"""impl="fused" on the scalar path (the native C loop of nonans_optim/native) against impl="loop", the
+ground truth; tests/test_fused_spectral.py does the spectral path.
 
 Each case injects NaN, ±Inf, a g² overflow, a whole-tensor loss that repeats (the hold rule) and a finite
 spike (the spike guard), on tensors large enough that both threads of the C loop get a share, and compares
 parameters, every state buffer and the event counts. The native record_step is compared with the torch
 one on random count sequences. The generic suites (tests/test_optimizers.py, tests/test_resolution.py)
-run "AdamW-fused" and "SFAdamW-fused" too: resume, clean "repair" == "off", fault injection, and the rest.
+run "AdamW-fused", "SFAdamW-fused", "Muon-fused" and "SFNorMuon-fused" too: resume, clean "repair" ==
+"off", fault injection, and the rest.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from optim_infos import assert_params_and_state_close, event_tuples
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 
-SHAPES = [(300, 70), (5,), (4, 3)]  # 21000 entries: split across threads; a vector; a tiny matrix
+SHAPES = [(300, 70), (5,), (4, 3)]  # 21000 entries = 2 chunks: one per thread; a vector; a tiny matrix
 STEPS = 7
 
 
