@@ -81,15 +81,15 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
     """Drop-in for ``scalar_update(..., impl="loop")``: same arguments, same state and counts."""
     lib = native.library() if params[0].is_cpu else None
     ptrs = None
+    seconds = [st["z" if sf else "exp_avg"] for st in states]  # schedule-free keeps z, AdamW m
+    vs, steps = [st["exp_avg_sq"] for st in states], [st["step"] for st in states]
     if lib is not None:
-        ptrs = [pointers(x) for x in (params, grads, [st["z" if sf else "exp_avg"] for st in states],
-                                       [st["exp_avg_sq"] for st in states], [st["step"] for st in states])]
+        ptrs = [pointers(x) for x in (params, grads, seconds, vs, steps)]
     if lib is None or any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
         if params[0].is_cpu and native.failure() is not None:
             _warn_unavailable()
         return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     p_ptr, g_ptr, second, v_ptr, step_ptr = ptrs
-    vs = [st["exp_avg_sq"] for st in states]
     nulls = (ctypes.c_void_p * len(params))()
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     beta1, beta2 = group["betas"]
@@ -105,5 +105,4 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
         r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads())
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")
-    mark_written(params, [st["z" if sf else "exp_avg"] for st in states], vs, [st["step"] for st in states],
-                 resolution_written(ctx))
+    mark_written(params, seconds, vs, steps, resolution_written(ctx))

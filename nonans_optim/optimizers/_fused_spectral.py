@@ -81,9 +81,11 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     if lib is None or hot not in (torch.bfloat16, torch.float32) or buf_dtype not in (torch.bfloat16, torch.float32):
         return False
     normuon, sf = "normuon" in comps, "sf" in comps
-    ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers([st["step"] for st in states]),
-            pointers([st["z"] for st in states]) if sf else True,
-            pointers([st["normuon_row_sq"] for st in states]) if normuon else True]
+    steps = [st["step"] for st in states]
+    zs = [st["z"] for st in states] if sf else []
+    vs = [st["normuon_row_sq"] for st in states] if normuon else []
+    ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers(steps),
+            pointers(zs) if sf else True, pointers(vs) if normuon else True]
     if any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
         return False
     p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr = ptrs
@@ -120,6 +122,5 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         r["dense"], threads)
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
-    mark_written(params, bufs, [st["step"] for st in states], [st["z"] for st in states] if sf else [],
-                 [st["normuon_row_sq"] for st in states] if normuon else [], resolution_written(ctx))
+    mark_written(params, bufs, steps, zs, vs, resolution_written(ctx))
     return True
