@@ -193,17 +193,13 @@ def compiled(fn, name: str):
     return torch.compile(type(fn)(code, fn.__globals__, name), dynamic=False, fullgraph=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _compiled_kernel(sf: bool, policy: str, factor: float | None, dtype: torch.dtype = torch.float32):
     """The compiled group kernel. One code object per (variant, parameter dtype): dynamo's recompile limit
     (8) counts per code object, and a process that steps fp32, bf16 and fp16 models (the test suite does)
     used to exhaust it, which turns compiled paths off for the rest of the process."""
-    return _kernel_for(sf, policy, factor, str(dtype).replace("torch.", ""))
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_for(sf: bool, policy: str, factor: float | None, dtype: str):
-    fn = compiled(_group_kernel, f"_group_kernel_{'sf' if sf else 'adamw'}_{policy}_{dtype}")
-    return functools.partial(fn, sf=sf, policy=policy, factor=factor)
+    name = f"_group_kernel_{'sf' if sf else 'adamw'}_{policy}_{str(dtype).replace('torch.', '')}"
+    return functools.partial(compiled(_group_kernel, name), sf=sf, policy=policy, factor=factor)
 
 
 def compile_available() -> bool:
@@ -269,8 +265,8 @@ def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     vs = [st["exp_avg_sq"] for st in states]
     sel, res, factor = resolution_args(ctx, indices, params[0].device)
     try:
-        _compiled_kernel(sf, policy, factor, params[0].dtype)(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp,
-                                             decay_z=sf and group["weight_decay"] != 0)
+        _compiled_kernel(sf, policy, factor, params[0].dtype)(params, grads, ms, vs, zs, gamma, res, sel, bcs,
+                                                              hp, decay_z=sf and group["weight_decay"] != 0)
     except Exception as err:  # noqa: BLE001 — any compile failure: report once, then run eager
         report_failure(err)
         torch._foreach_add_([st["step"] for st in states], -1.0)
