@@ -32,6 +32,14 @@ static inline float spike_(float norm, float ema, float factor, float beta, floa
     return t ? cap / norm : 1.0f;
 }
 
+/* Resolution.recent() for the parameter at global index j: an event within the repeat window, the hold
+ * rule's precondition (one place for both kernels; the torch method is the ground truth). */
+static inline int recent_event_(const int64_t *clean_streak, const int64_t *events, int64_t j, int64_t window) {
+    int64_t ev = 0;
+    for (int s = 0; s < NSTAGE; s++) ev += events[j * NSTAGE + s];
+    return clean_streak[j] < window && ev > 0;
+}
+
 /* Thread id and count inside a parallel region (0 and 1 without OpenMP). */
 static inline int thread_id_(void) {
 #ifdef _OPENMP

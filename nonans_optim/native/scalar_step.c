@@ -155,11 +155,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
         bc[2 * i] = (float)(1.0 - pow(beta1, (double)t));
         bc[2 * i + 1] = (float)(1.0 - pow(beta2, (double)t));
         lr[i] = scale != NULL ? *gamma * scale[sel[i]] : *gamma;
-        if (gate && clean_streak != NULL) {
-            int64_t ev = 0;
-            for (int s = 0; s < NSTAGE; s++) ev += events[sel[i] * NSTAGE + s];
-            recent[i] = clean_streak[sel[i]] < repeat_window && ev > 0;
-        }
+        if (gate && clean_streak != NULL) recent[i] = recent_event_(clean_streak, events, sel[i], repeat_window);
     }
 #pragma omp parallel num_threads(T)
     {
