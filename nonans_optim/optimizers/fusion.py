@@ -50,7 +50,8 @@ class Fusion(NonansOptimizer):
             "bf16" (half the bytes; the update is computed in fp32 and rounded once per step) or "auto"
             (default: bf16 when NS5's hot dtype is bf16 — the buffer only feeds that bf16 iteration — and
             the parameter is wider, else the parameter's dtype). ``python -m experiments momentum-dtype``
-            measured no difference beyond 1e-4 in final loss at 200 steps on two tasks (RESULTS.md); it is
+            measured paired final-loss differences of at most 2e-4 at 200 steps on two tasks, and a shift
+            within the seed spread on the bench's KL-Shampoo workload (RESULTS.md); it is
             what brings SF-NorMuon's state under AdamW's 8 bytes per parameter.
         warmup_steps: linear lr warmup (also shapes the schedule-free weights).
         polyak: use the Polyak multiplier once set_loss() has been called.
