@@ -24,7 +24,6 @@ triggers (false positives) and whether clean runs stayed bit-identical to the un
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,8 @@ from typing import Any
 import torch
 
 from .questions_io import RESULTS, ROOT, environment, fmt, md_table, publish
-from .spikes import _NAMES, CONDITIONS, DEFAULT_STEPS, TOLERANCE, run_one
+from .spikes import _NAMES, CONDITIONS, DEFAULT_STEPS, TOLERANCE, _excess, run_one
+from .spikes import summarise as spikes_summarise
 
 __all__ = ["main", "run", "clipper", "render", "ARMS"]
 
@@ -82,13 +82,15 @@ def run(tasks: list[str], seeds: int, steps: int, log=print) -> dict[str, Any]:
                         rec["triggers"] = count["triggers"]
                     if ref is None:  # the first run is (clean, none): every other run's pair
                         ref, ref_params = rec, params
-                    rec.update(arm=arm, val_gap=rec["final"]["val_loss"] / ref["final"]["val_loss"] - 1.0)
+                    rec.update(arm=arm, val_gap=rec["final"]["val_loss"] / ref["final"]["val_loss"] - 1.0,
+                               recovery_excess=_excess(rec, ref) if cond != "clean" else 0.0)
                     if cond == "clean":
                         rec["identical_to_unguarded"] = all(torch.equal(a, b) for a, b in zip(params, ref_params))
-                    rec.pop("losses", None)
                     runs.append(rec)
                     log(f"[spike-guards] {task} seed {seed} {cond:8s} {arm:18s} gap {100 * rec['val_gap']:+.1f}% "
                         f"triggers {rec['triggers']}")
+    for rec in runs:  # the per-step losses only served the recovery excess
+        rec.pop("losses", None)
     return {"command": COMMAND, "env": environment(),
             "config": {"tasks": tasks, "seeds": seeds, "steps": steps, "arms": {k: list(v) for k, v in ARMS.items()},
                        "warmup": WARMUP, "tolerance": TOLERANCE, "threads": torch.get_num_threads()},
@@ -96,17 +98,8 @@ def run(tasks: list[str], seeds: int, steps: int, log=print) -> dict[str, Any]:
 
 
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
-    """Per (task, condition, arm): mean gap over seeds, recovered, mean triggers; per arm: the totals."""
-    cells: dict[tuple, list[dict[str, Any]]] = {}
-    for r in data["runs"]:
-        cells.setdefault((r["task"], r["condition"], r["arm"]), []).append(r)
-    rows = {}
-    for key, rs in cells.items():
-        finite = not any(r["diverged"] for r in rs)
-        gap = statistics.fmean(r["val_gap"] for r in rs) if finite else float("inf")
-        rows[key] = {"gap": gap, "recovered": finite and gap <= data["config"]["tolerance"],
-                     "triggers": statistics.fmean(r["triggers"] for r in rs),
-                     "identical": all(r.get("identical_to_unguarded", True) for r in rs)}
+    """Per (task, condition, arm): the cells of ``spikes.summarise``; per arm: the totals."""
+    rows = {(r["task"], r["condition"], r["arm"]): r for r in spikes_summarise(data, arm="arm")}
     per_arm = {}
     for arm in data["config"]["arms"]:
         spiked = [v for (t, c, a), v in rows.items() if a == arm and c != "clean"]
@@ -134,7 +127,7 @@ def render(data: dict[str, Any]) -> str:
             row = [_NAMES.get(cond, cond)]
             for arm in arms:
                 v = summ["cells"][(task, cond, arm)]
-                row.append(f"{100 * v['gap']:+.1f}%{' ✓' if v['recovered'] else ''} · {fmt(v['triggers'], 3)}")
+                row.append(f"{100 * v['val_gap']:+.1f}%{' ✓' if v['recovered'] else ''} · {fmt(v['triggers'], 3)}")
             table.append(row)
         parts.append(f"**{task} / AdamW**\n\n" + md_table(["condition"] + arms, table))
     parts.append(md_table(["arm", "spiked cells recovered", "clean-run triggers (false positives)",

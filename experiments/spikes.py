@@ -191,20 +191,21 @@ def run(tasks: list[str], optimizers: list[str], factors: list[float | None], co
     return out
 
 
-def _cells(data: dict[str, Any]) -> dict[tuple[str, str, str, Any], list[dict[str, Any]]]:
+def _cells(data: dict[str, Any], arm: str) -> dict[tuple[str, str, str, Any], list[dict[str, Any]]]:
     cells: dict[tuple[str, str, str, Any], list[dict[str, Any]]] = {}
     for r in data["runs"]:
-        cells.setdefault((r["task"], r["optimizer"], r["condition"], r["factor"]), []).append(r)
+        cells.setdefault((r["task"], r["optimizer"], r["condition"], r[arm]), []).append(r)
     return cells
 
 
-def summarise(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (task, optimizer, condition, factor): means over seeds of the paired measurements."""
+def summarise(data: dict[str, Any], arm: str = "factor") -> list[dict[str, Any]]:
+    """One row per (task, optimizer, condition, arm): means over seeds of the paired measurements. ``arm``:
+    the run field that names the guard setting (``spike_guards`` compares guards, not factors)."""
     rows = []
-    for (task, o, c, f), runs in _cells(data).items():
+    for (task, o, c, f), runs in _cells(data, arm).items():
         finite = not any(r["diverged"] for r in runs)
         gap = statistics.fmean(r["val_gap"] for r in runs) if finite else float("inf")
-        rows.append({"task": task, "optimizer": o, "condition": c, "factor": f, "n": len(runs),
+        rows.append({"task": task, "optimizer": o, "condition": c, arm: f, "n": len(runs),
                      "val_loss": statistics.fmean(r["final"]["val_loss"] for r in runs),
                      "val_err": statistics.fmean(r["final"]["val_err"] for r in runs) if "val_err" in runs[0]["final"] else None,
                      "val_gap": gap, "recovery_excess": statistics.fmean(r["recovery_excess"] for r in runs),
