@@ -188,5 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (2 if args.quick else 15)
     args.warmup = args.warmup or (2 if args.quick else 3)
     data = run(args)
-    publish(data, Path(args.out), render(data), args.results_md, "overhead", "Resolution overhead on clean steps (issue 3)")
+    publish(data, Path(args.out), render(data), args.results_md, "overhead",
+            "Resolution overhead on clean steps (issue 3)")
     return 0
