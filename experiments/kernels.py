@@ -11,7 +11,9 @@ principles"):
 * the crossover: the smallest single-matrix size from which Triton is never slower than eager, which is
   what ``ns5(backend="auto")`` should use;
 * the fused AdamW / momentum kernels: achieved bandwidth (bytes each step must move / time) against the copy
-  bandwidth, next to the torch reference and ``torch.optim.AdamW(fused=True)``.
+  bandwidth, next to the torch reference and ``torch.optim.AdamW(fused=True)``;
+* the optimizer-level fused step, ``AdamW(impl="fused")`` on the multi-tensor kernels, "repair" and "off",
+  against ``torch.optim.AdamW(fused=True)`` on the same tensors.
 
 Without CUDA it prints why and exits 0 without writing. ``--dry-run`` runs the same code on CPU under the
 Triton interpreter with tiny shapes (so CI tests the script); its timings mean nothing and it writes JSON
@@ -171,6 +173,40 @@ def bench_elementwise(timer, device, numel: int, log) -> dict[str, Any]:
     return out
 
 
+def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[str, Any]:
+    """The optimizer-level fused step (``AdamW(impl="fused")``: the multi-tensor Triton kernels of
+    ``kernels/scalar_step.py``) on ``tensors`` equal fp32 tensors, "repair" (spike guard on: its statistics
+    pass reads g once more, 32 bytes per entry) and "off" (28), against ``torch.optim.AdamW(fused=True)``."""
+    import nonans_optim as no
+
+    torch.manual_seed(0)
+    size = max(numel // tensors, 1)
+    out: dict[str, Any] = {"numel": size * tensors, "tensors": tensors, "dtype": "fp32"}
+    before = os.environ.get("NONANS_FUSED_BACKEND")
+    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
+    try:
+        for name, make in (("repair", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused")),
+                           ("off", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused", resolution="off")),
+                           ("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=device.type == "cuda"))):
+            params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
+            for q in params:
+                q.grad = torch.randn_like(q) * 1e-2
+            opt = make(params)
+            out[f"{name}_ms"] = timer(opt.step)
+    finally:
+        if before is None:
+            os.environ.pop("NONANS_FUSED_BACKEND")
+        else:
+            os.environ["NONANS_FUSED_BACKEND"] = before
+    for name, nbytes in (("repair", 32), ("off", 28), ("torch_fused", 28)):
+        out[f"{name}_gbps"] = nbytes * out["numel"] / (out[f"{name}_ms"] * 1e-3) / 1e9
+    out["repair_vs_off"] = out["repair_ms"] / out["off_ms"]
+    out["repair_vs_torch_fused"] = out["repair_ms"] / out["torch_fused_ms"]
+    log(f"  AdamW(impl='fused') x{tensors} tensors: repair {out['repair_ms']:.3f} ms "
+        f"({out['repair_gbps']:.0f} GB/s), off {out['off_ms']:.3f} ms, torch fused {out['torch_fused_ms']:.3f} ms")
+    return out
+
+
 def check_targets(rows: list[dict]) -> dict[str, Any]:
     """The H100 targets of the kernels brief, evaluated on whatever shapes were run (None = not run)."""
     by = {(r["batch"], r["m"], r["n"]): r for r in rows}
@@ -202,11 +238,14 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
     elementwise = bench_elementwise(timer, device, 4096 if dry_run else 1 << 26, log)
     elementwise["adamw_repair_fraction_of_copy"] = elementwise["adamw_repair_gbps"] * 1e9 / bandwidth
     elementwise["momentum_fraction_of_copy"] = elementwise["momentum_repair_gbps"] * 1e9 / bandwidth
+    fused_step = bench_fused_step(timer, device, 4096 if dry_run else 1 << 26, log)
+    for arm in ("repair", "off", "torch_fused"):
+        fused_step[f"{arm}_fraction_of_copy"] = fused_step[f"{arm}_gbps"] * 1e9 / bandwidth
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
             "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows),
-            "elementwise": elementwise, "targets": check_targets(rows)}
+            "elementwise": elementwise, "fused_step": fused_step, "targets": check_targets(rows)}
 
 
 def main(argv: list[str] | None = None) -> int:

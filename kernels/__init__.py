@@ -8,6 +8,8 @@ public functions are resolved lazily (PEP 562 ``__getattr__``) from their module
   ``poly``, ``axpb`` and their torch references ``*_reference``.
 * Elementwise (``fused_adamw.py``, ``momentum.py``): ``fused_adamw_``, ``momentum_update_`` and their
   references ``fused_adamw_reference_``, ``momentum_update_reference_``.
+* The multi-tensor (SF-)AdamW + resolution step of ``impl="fused"`` on CUDA (``scalar_step.py``):
+  ``scalar_step_`` and its reference ``scalar_step_reference_``.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import functools
 import importlib
 
 __all__ = ["available", "ns5_iterate", "ns5_iterate_fp16_safe", "gram", "poly", "axpb", "fused_adamw_",
-           "momentum_update_", "ns5_iterate_reference", "ns5_iterate_fp16_safe_reference", "gram_reference",
-           "poly_reference", "axpb_reference", "fused_adamw_reference_", "momentum_update_reference_"]
+           "momentum_update_", "scalar_step_", "ns5_iterate_reference", "ns5_iterate_fp16_safe_reference", "gram_reference",
+           "poly_reference", "axpb_reference", "fused_adamw_reference_", "momentum_update_reference_",
+           "scalar_step_reference_"]
 
 _HOMES = {
     "ns5_iterate": "ns5", "ns5_iterate_fp16_safe": "ns5", "ns5_iterate_reference": "ns5",
@@ -25,6 +28,7 @@ _HOMES = {
     "axpb": "ns5_axpb", "axpb_reference": "ns5_axpb",
     "fused_adamw_": "fused_adamw", "fused_adamw_reference_": "fused_adamw",
     "momentum_update_": "momentum", "momentum_update_reference_": "momentum",
+    "scalar_step_": "scalar_step", "scalar_step_reference_": "scalar_step",
 }
 
 

@@ -9,6 +9,7 @@ instruction (``wgmma``). Speed itself is only measured on a GPU (``python -m exp
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -25,13 +26,14 @@ ALIGNED = {"X", "ADD", "C", "Bm", "Y", "M", "K", "N", "stride_xb", "stride_xm", 
            "stride_bb", "stride_bm", "stride_yb", "stride_ym", "P", "G", "V", "BUF"}
 
 
-def compile_for_hopper(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_for_hopper(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                       **options):
     """Compile the JITFunction ``fn`` for sm_90; ``types`` gives every non-constexpr argument's type."""
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in ALIGNED and name not in constexprs}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(src, target=HOPPER, options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 def _binary_ok(compiled) -> None:
@@ -156,3 +158,38 @@ def test_elementwise_kernels(policy, param):
                                                          FLAG="*i64", N="i64", beta="fp32"), flags, num_warps=8))
     _binary_ok(compile_for_hopper(_count_kernel, dict(G=f"*{param}", SCRATCH="*i64", N="i64"),
                                   {"BLOCK": 2048}, num_warps=8))
+
+
+@pytest.mark.parametrize("policy", [0, 1, 2])
+@pytest.mark.parametrize("param", ["fp32", "bf16", "fp16"])
+def test_scalar_step_kernels(policy, param):
+    """The multi-tensor (SF-)AdamW step of impl="fused" on CUDA: its three launches, every variant; the
+    int64 address table must become typed global pointers, and counting variants must use atomics."""
+    import triton.language as tl
+
+    from nonans_optim.kernels.scalar_step import _decide_kernel, _stats_kernel, _update_kernel
+
+    ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
+    table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
+    if policy:
+        stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp32", BAD="*i32"),
+                                   dict(TY=ty, ALIGNED=True, BLOCK=2048), num_warps=8)
+        _binary_ok(stats)
+        assert re.search(r"ld\.global(\.\w+)*\.v[24]", stats.asm["ptx"]), "full blocks: vector loads"
+        for guard in (False, True):
+            _binary_ok(compile_for_hopper(
+                _decide_kernel, dict(SS="*fp32", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32",
+                                     RECENT="*i1" if policy == 1 else "*i32", DENSE="*i64", SCALE_OUT="*fp32",
+                                     FLAGS_OUT="*i32", factor="fp32", beta="fp32"),
+                dict(POLICY=policy, GUARD=guard, RBLOCK=1024), num_warps=1))
+    update_types = dict(table, BC="*fp32", HP="*fp32", GAMMA="*fp32", SCALE="*fp32", SEL="*i64",
+                        DEC_SCALE="*fp32", DEC_FLAGS="*i32", DENSE="*i64")
+    for sf, decay_z in ((False, False), (True, False), (True, True)):
+        compiled = compile_for_hopper(_update_kernel, update_types,
+                                      dict(TY=ty, SF=sf, GATE=policy != 0, DECAY_Z=decay_z, ALIGNED=True,
+                                           EMULATE=False, BLOCK=2048), num_warps=8, enable_fp_fusion=False)
+        _binary_ok(compiled)
+        assert ("atom" in compiled.asm["ptx"]) == (policy != 0), "counts: atomics exactly when gating"
+        assert "fma.rn.f32" not in compiled.asm["ptx"], "no contraction: clean repair must equal off"
+        assert re.search(r"st\.global(\.\w+)*\.v[24]", compiled.asm["ptx"]), "full blocks: vector stores"
+

@@ -239,6 +239,8 @@ if INTERPRETED:
             # the benchmark's own accuracy column: bf16 kernel vs bf16 eager against an fp32 run
             assert row["rel_err_triton"] <= K[torch.bfloat16] * row["rel_err_eager"]
         assert data["elementwise"]["adamw_repair_gbps"] > 0
+        fused = data["fused_step"]
+        assert fused["numel"] == 4096 and all(fused[f"{k}_ms"] > 0 for k in ("repair", "off", "torch_fused"))
         assert set(data["targets"]["met"]) == set(bench.TARGETS)
 else:
     def test_interpreter_suite():

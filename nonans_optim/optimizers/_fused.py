@@ -9,8 +9,9 @@ a second, read-only pass over g only when a decision must come before any write 
 The per-tensor scalars (step counts, bias corrections, step sizes, the hold rule's "recent event") are
 computed in the same call: on a 52-tensor model, doing them as small torch ops cost more than the repair.
 
-Scope: contiguous fp32 CPU tensors (parameter, gradient, state, and an fp32 ``state['step']``). Any other
-group — CUDA, bf16, channels_last, a strided gradient — runs ``impl="compiled"`` with identical semantics,
+Scope: contiguous fp32 CPU tensors (parameter, gradient, state, and an fp32 ``state['step']``). CUDA groups
+go to the multi-tensor Triton kernels instead (:mod:`._fused_triton`, ``NONANS_FUSED_BACKEND``). Any other
+group — bf16 on CPU, channels_last, a strided gradient — runs ``impl="compiled"`` with identical semantics,
 and so does everything when the kernel cannot be built (one warning). No host synchronisation: on CPU the
 tensors already live in host memory, and the kernel reads nothing the step has not already computed.
 """
@@ -27,6 +28,7 @@ from .. import native
 from ..functional.spike import SPIKE_BETA
 from ._common import dense_counts
 from ._compiled import compiled_scalar_update
+from ._fused_triton import backend, triton_scalar_update
 
 __all__ = ["fused_scalar_update", "pointers", "resolution_pointers", "mark_written", "resolution_written"]
 
@@ -78,7 +80,12 @@ def _warn_unavailable() -> None:
 def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                         indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                         gamma: torch.Tensor, c: float) -> None:
-    """Drop-in for ``scalar_update(..., impl="loop")``: same arguments, same state and counts."""
+    """Drop-in for ``scalar_update(..., impl="loop")``: same arguments, same state and counts. CUDA groups
+    (and any group when ``NONANS_FUSED_BACKEND=triton``) go to the Triton kernels (:mod:`._fused_triton`)."""
+    if backend(params[0].device) == "triton":
+        if triton_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c):
+            return None
+        return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     lib = native.library() if params[0].is_cpu else None
     ptrs = None
     seconds = [st["z" if sf else "exp_avg"] for st in states]  # schedule-free keeps z, AdamW m

@@ -47,8 +47,8 @@ class AdamW(_ScalarOnly):
     Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
     ``impl`` is ``"foreach"`` (default), ``"loop"`` (the readable ground truth), ``"compiled"``
     (torch.compile) or ``"fused"`` (one native CPU loop per step for contiguous fp32 CPU tensors, built with
-    the system C compiler on first use; everything else runs ``"compiled"``: see
-    :mod:`nonans_optim.optimizers._fused`); ``warmup_steps`` ramps
+    the system C compiler on first use, and multi-tensor Triton kernels on CUDA; everything else runs
+    ``"compiled"``: see :mod:`nonans_optim.optimizers._fused` and ``._fused_triton``); ``warmup_steps`` ramps
     the lr linearly over the first steps (0: off); ``spike_factor`` rescales a finite gradient whose norm
     exceeds that multiple of its running mean (default 10, chosen by ``python -m experiments spikes``;
     None: off; see :mod:`nonans_optim.functional.spike`)."""

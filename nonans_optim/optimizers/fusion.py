@@ -61,7 +61,8 @@ class Fusion(NonansOptimizer):
             :mod:`nonans_optim.functional.spike`).
         impl: "foreach" (batched NS5 per shape, default), "loop" (ground truth), "compiled" (the
             elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
-            "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; groups
+            "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; on
+            CUDA the scalar (AdamW) tensors take the Triton step of :mod:`._fused_triton`; spectral groups
             they do not cover — MONA, KL-Shampoo, "skip", CUDA — run "compiled").
     """
 

@@ -1,0 +1,349 @@
+"""The whole (SF-)AdamW + resolution step of a parameter group as three multi-tensor Triton launches.
+
+``fused_adamw.py`` is one tensor's AdamW with detection and repair; this module is what ``impl="fused"``
+runs on CUDA: every tensor of a group in one launch per pass (a launch per tensor would cost more host time
+than a small model's whole step), with the library's full resolution semantics — the spike guard, the
+hold rule, "skip", the last-line update guard, the escalation scale and the dense (P, S, 2) event counts.
+The arithmetic is that of ``nonans_optim/optimizers/_compiled.py::_one_tensor`` line for line (the CPU twin
+is ``nonans_optim/native/scalar_step.c``), and :func:`scalar_step_reference_` — the compiled path's own
+group function, run eagerly — is the test oracle with the same signature.
+
+Launches (no host synchronisation: every decision is read from device memory by the next launch):
+
+1. ``_stats_kernel`` (not under "off"): per block, the gradient's sum of squares and non-finite count.
+   A decision that must precede any write needs them — the spike guard the norm, "skip" whether any
+   entry is bad, the hold rule whether every entry is. One read of g: 4 of the 32 bytes per fp32 entry.
+2. ``_decide_kernel``, one program per tensor: adds its blocks' partials *in block order* (so the norm,
+   and a triggered guard's scale, do not depend on scheduling), then the guard's scale and EMA, the spike
+   count, and the hold / keep-all flags.
+3. ``_update_kernel``: per block, read p, g, m (or z), v once, write them once; detection, the gates and
+   the counts in registers, one atomic per count only for a block that has something to count (a clean
+   step issues none).
+
+Tensors are reached through a table of their addresses (int64, one row per tensor: p, g, m|z, v), turned
+back into typed pointers in the kernel; all tensors of one launch share one dtype (the caller splits
+otherwise). Math is fp32 whatever the storage dtype, with IEEE ``div_rn``/``sqrt_rn`` as torch uses, and
+the update is compiled without FMA contraction (``enable_fp_fusion=False``, as the C loop uses
+``-ffp-contract=off``): "repair" and "off" are different compiled variants of it, and a clean "repair" step
+must equal "off" bit for bit, which a contraction chosen differently in each variant would break.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nonans_optim.functional.spike import SPIKE_BETA
+
+from ._cast import cast_rtne
+from ._elementwise import elementwise_block, policy_code
+from ._runtime import interpreting, on_device, tl_dtype
+
+__all__ = ["scalar_step_", "scalar_step_reference_", "supported", "_stats_kernel", "_decide_kernel",
+           "_update_kernel"]
+
+# Offsets inside one parameter's (S=6, 2) row of the dense count block (nonans_optim.resolution.STAGES).
+_GRAD_NAN, _GRAD_INF, _MOMENT_INF = tl.constexpr(0), tl.constexpr(1), tl.constexpr(3)
+_UPDATE_NAN, _UPDATE_INF, _SPIKE, _ROW = tl.constexpr(6), tl.constexpr(7), tl.constexpr(11), tl.constexpr(12)
+_RBLOCK = 64 if interpreting() else 1024  # partials summed per iteration of the decide loop
+
+
+@triton.jit
+def _finite(x):
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m."""
+    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+
+
+
+@triton.jit
+def _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK: tl.constexpr):
+    """This program's id, its tensor, the block's first entry in that tensor, and how many entries are left
+    from there (at least BLOCK except in a tensor's last block)."""
+    pid = tl.program_id(0)
+    t = tl.load(BLOCK_TENSOR + pid)
+    start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
+    return pid, t, start, tl.load(NUMEL + t) - start
+
+
+@triton.jit
+def _column(ADDR, t, COLUMN: tl.constexpr, TY: tl.constexpr, start, ALIGNED: tl.constexpr):
+    """Typed pointer to the block's first entry in one column of the address table (p, g, m|z, v).
+
+    An address read from memory tells the compiler nothing about its alignment, so it would emit one
+    scalar access per entry; ALIGNED (the host checked every address is 16-byte aligned) restores the
+    128-bit vector accesses a pointer argument gets from the JIT's specialisation."""
+    base = tl.load(ADDR + t * 4 + COLUMN).to(tl.pointer_type(TY))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+    return base + start
+
+
+@triton.jit
+def _load(ptr, idx, mask, MASKED: tl.constexpr):
+    """fp32 block; only a tensor's last block is masked (a mask from a loaded length would also stop the
+    compiler from vectorising the full blocks)."""
+    if MASKED:
+        x = tl.load(ptr + idx, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptr + idx)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, idx, x, mask, TY: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + idx, cast_rtne(x, TY, EMULATE), mask=mask)
+    else:
+        tl.store(ptr + idx, cast_rtne(x, TY, EMULATE))
+
+
+@triton.jit
+def _count(cond, mask, MASKED: tl.constexpr):
+    if MASKED:
+        cond = cond & mask
+    return tl.sum(cond.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, ALIGNED: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """SS[pid] = Σ g² and BAD[pid] = #non-finite g over this program's block."""
+    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
+    g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
+    idx = tl.arange(0, BLOCK)
+    if rem >= BLOCK:
+        g = _load(g_ptr, idx, idx < rem, False)
+    else:
+        g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
+    tl.store(SS + pid, tl.sum(g * g, axis=0))
+    tl.store(BAD + pid, tl.sum((~_finite(g)).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DENSE, SCALE_OUT, FLAGS_OUT, factor, beta,
+                   POLICY: tl.constexpr, GUARD: tl.constexpr, RBLOCK: tl.constexpr):
+    """Per tensor: the spike guard (functional/spike.py::spike_scale) and the hold / keep-all flags."""
+    t = tl.program_id(0)
+    b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    bad = tl.zeros((RBLOCK,), dtype=tl.int32)
+    for start in range(b0, b1, RBLOCK):
+        idx = start + tl.arange(0, RBLOCK)
+        acc += tl.load(SS + idx, mask=idx < b1, other=0.0)
+        bad += tl.load(BAD + idx, mask=idx < b1, other=0)
+    nbad = tl.sum(bad, axis=0)
+    sel = tl.load(SEL + t)
+    scale = 1.0
+    if GUARD:
+        norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+        ema = tl.load(EMA + sel)
+        fin = _finite(norm)
+        seeded = ema > 0.0
+        cap = factor * ema
+        trig = fin & seeded & (norm > cap)
+        scale = tl.where(trig, tl.div_rn(cap, norm), 1.0)
+        observed = tl.where(trig, cap, norm)
+        new_ema = tl.where(fin, tl.where(seeded, ema * beta + (1.0 - beta) * observed, norm), ema)
+        tl.store(EMA + sel, new_ema)
+        row = DENSE + sel * _ROW
+        tl.store(row + _SPIKE, tl.load(row + _SPIKE) + trig.to(tl.int64))
+    hold = nbad < 0  # False
+    keep_all = nbad < 0
+    if POLICY == 1:  # a persistent whole-tensor loss: every entry bad, and an event within the window
+        hold = (tl.load(RECENT + sel) != 0) & (nbad.to(tl.int64) == tl.load(NUMEL + t))
+    if POLICY == 2:
+        keep_all = nbad > 0
+    tl.store(SCALE_OUT + t, scale)
+    tl.store(FLAGS_OUT + t, hold.to(tl.int32) + 2 * keep_all.to(tl.int32))
+
+
+@triton.jit
+def _add_count(ROW, OFFSET: tl.constexpr, n):
+    if n > 0:
+        tl.atomic_add(ROW + OFFSET, n.to(tl.int64))
+
+
+@triton.jit
+def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s, hold, keep_all,
+                  TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
+                  EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """The step of _compiled._one_tensor on one block, in place; returns its counts (grad NaN, grad
+    non-finite, v overflow, update NaN, update non-finite), zeros without GATE."""
+    one_m_b1, b2, one_m_b2 = tl.load(hp_ptr), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2)
+    eps, wd, c, coef = tl.load(hp_ptr + 3), tl.load(hp_ptr + 4), tl.load(hp_ptr + 5), tl.load(hp_ptr + 6)
+    g = _load(g_ptr, idx, mask, MASKED)
+    po = _load(p_ptr, idx, mask, MASKED)
+    so = _load(s_ptr, idx, mask, MASKED)  # exp_avg, or z when schedule-free
+    vo = _load(v_ptr, idx, mask, MASKED)
+    ok = _finite(g)
+    gs = g * s  # s == 1.0 exactly unless the spike guard fired
+    g2 = one_m_b2 * gs * gs
+    vn = vo * b2 + g2
+    g_in = gs
+    if SF:  # no first moment: a missing entry moves nothing
+        if GATE:
+            g_in = tl.where(ok, gs, 0.0)
+        mn = g_in
+    else:  # missing: m keeps its value (lerp(m, m, w) == m)
+        if GATE:
+            g_in = tl.where(ok, gs, so)
+        mn = _lerp(so, g_in, one_m_b1)
+    if GATE:
+        vn = tl.where(_finite(vn), vn, vo)
+    denom = tl.sqrt_rn(tl.div_rn(vn, bc2)) + eps
+    if SF:
+        d = tl.div_rn(mn, denom)
+        if DECAY_Z:  # eager skips the add when λ = 0 (0·z would turn an infinite z into NaN)
+            d = d + so * wd
+        y = _lerp(po, so, c) + d * (lr * coef)
+        sn = so - d * lr
+    else:
+        d = tl.div_rn(tl.div_rn(mn, bc1), denom)
+        y = po * (1.0 - lr * wd) - lr * d
+        sn = mn
+    zero = tl.sum(tl.zeros_like(idx), axis=0)
+    gn, gb, ov, un, ub = zero, zero, zero, zero, zero
+    if GATE:
+        gn = _count(g != g, mask, MASKED)
+        gb = _count(~ok, mask, MASKED)
+        ov = _count(ok & ~_finite(g2), mask, MASKED)
+        un = _count(y != y, mask, MASKED)
+        ub = _count(~_finite(y), mask, MASKED)
+        y = tl.where(_finite(y) & ~hold, y, po)
+        if SF:
+            un += _count(sn != sn, mask, MASKED)
+            ub += _count(~_finite(sn), mask, MASKED)
+            sn = tl.where(_finite(sn) & ~hold, sn, so)
+        un = tl.where(hold, 0, un)  # a held tensor writes nothing, so it counts no update
+        ub = tl.where(hold, 0, ub)
+        y = tl.where(keep_all, po, y)  # "skip": the tensor had a bad entry; counted, nothing written
+        vn = tl.where(keep_all, vo, vn)
+        sn = tl.where(keep_all, so, sn)
+    _store(p_ptr, idx, y, mask, TY, EMULATE, MASKED)
+    _store(v_ptr, idx, vn, mask, TY, EMULATE, MASKED)
+    _store(s_ptr, idx, sn, mask, TY, EMULATE, MASKED)
+    return gn, gb, ov, un, ub
+
+
+@triton.jit
+def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DEC_SCALE, DEC_FLAGS, DENSE,
+                   TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
+                   ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of one tensor. GATE: a Resolution exists (policy "repair" or "skip"); then
+    SCALE/SEL/DEC_*/DENSE are real, otherwise never dereferenced."""
+    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
+    p_ptr = _column(ADDR, t, 0, TY, start, ALIGNED)
+    g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
+    s_ptr = _column(ADDR, t, 2, TY, start, ALIGNED)
+    v_ptr = _column(ADDR, t, 3, TY, start, ALIGNED)
+    bc1, bc2 = tl.load(BC + 2 * t), tl.load(BC + 2 * t + 1)
+    lr = tl.load(GAMMA)
+    s = 1.0
+    sel = t
+    flags = t * 0
+    if GATE:
+        sel = tl.load(SEL + t)
+        lr = lr * tl.load(SCALE + sel)
+        s = tl.load(DEC_SCALE + t)
+        flags = tl.load(DEC_FLAGS + t)
+    hold = (flags & 1) != 0
+    keep_all = (flags & 2) != 0
+    idx = tl.arange(0, BLOCK)
+    if rem >= BLOCK:
+        gn, gb, ov, un, ub = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s,
+                                           hold, keep_all, TY, SF, GATE, DECAY_Z, EMULATE, False)
+    else:
+        gn, gb, ov, un, ub = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s,
+                                           hold, keep_all, TY, SF, GATE, DECAY_Z, EMULATE, True)
+    if GATE:
+        row = DENSE + sel * _ROW
+        _add_count(row, _GRAD_NAN, gn)
+        _add_count(row, _GRAD_INF, gb - gn)
+        _add_count(row, _MOMENT_INF, ov)
+        _add_count(row, _UPDATE_NAN, un)
+        _add_count(row, _UPDATE_INF, ub - un)
+
+
+
+def supported(tensors: list[torch.Tensor]) -> bool:
+    """True when one launch can take these tensors: one floating dtype the kernels implement, contiguous,
+    all on one device (a CUDA device, or the CPU under the Triton interpreter)."""
+    first = tensors[0]
+    if first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if not (first.is_cuda or (first.is_cpu and interpreting())):
+        return False
+    return all(t.dtype is first.dtype and t.device == first.device and t.is_contiguous() for t in tensors)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(numels: tuple[int, ...], block: int, device: str):
+    """(numel, first block of each tensor + total, owning tensor of each block) on ``device``, built once per
+    group shape: the layout is static while the addresses (gradients are new tensors every backward) are not."""
+    blocks = [triton.cdiv(n, block) for n in numels]
+    first = torch.tensor([0] + blocks, dtype=torch.int64).cumsum(0)
+    owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(blocks))
+    to = functools.partial(torch.Tensor.to, device=device, non_blocking=True)  # no sync, even the first time
+    return to(torch.tensor(numels, dtype=torch.int64)), to(first), to(owner), int(first[-1])
+
+
+def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str, decay_z: bool,
+                 factor: float | None) -> None:
+    """The group step of ``_compiled._group_kernel`` (same arguments): ``ms`` (AdamW) or ``zs``
+    (schedule-free) hold the second state tensor, the other list Nones; ``res`` is None under "off", else
+    (scale, recent, norm EMA, dense counts) — the Resolution tensors, updated in place; ``sel`` the global
+    parameter indices; ``bcs`` (n, 2) fp32 bias corrections, ``hp`` the seven fp32 hyperparameters,
+    ``gamma`` the 0-d step size, all on the tensors' device. Nothing is read back to the host."""
+    code = policy_code(policy)
+    if (res is None) != (code == 0):
+        raise ValueError("res must be given exactly when the policy is not 'off'")
+    seconds = zs if sf else ms
+    n = len(params)
+    if n == 0:
+        return
+    device = params[0].device
+    block, warps = elementwise_block()
+    numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
+    if nblocks == 0:
+        return
+    addr_host = torch.tensor([[t.data_ptr() for t in row] for row in zip(params, grads, seconds, vs)],
+                             dtype=torch.int64)
+    addr = addr_host.to(device, non_blocking=True)
+    ty = tl_dtype(params[0].dtype)
+    aligned = bool((addr_host % 16 == 0).all())
+    with on_device(params[0]):
+        dec_scale = dec_flags = dense = scale = None
+        if res is not None:
+            scale, recent, ema, dense = res
+            ss = torch.empty(nblocks, dtype=torch.float32, device=device)
+            bad = torch.empty(nblocks, dtype=torch.int32, device=device)
+            _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, TY=ty, ALIGNED=aligned,
+                                      BLOCK=block, num_warps=warps)
+            dec_scale = torch.empty(n, dtype=torch.float32, device=device)
+            dec_flags = torch.empty(n, dtype=torch.int32, device=device)
+            rec = recent if recent is not None else dec_flags  # never read unless policy is "repair"
+            _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, rec, dense, dec_scale, dec_flags,
+                                 float(factor or 0.0), SPIKE_BETA,
+                                 POLICY=code, GUARD=factor is not None, RBLOCK=_RBLOCK, num_warps=1)
+        dummy = bcs  # never dereferenced when GATE is off
+        _update_kernel[(nblocks,)](
+            addr, numel, first, owner, bcs, hp, gamma, dummy if scale is None else scale,
+            dummy if sel is None else sel, dummy if dec_scale is None else dec_scale,
+            dummy if dec_flags is None else dec_flags, dummy if dense is None else dense,
+            TY=ty, SF=sf, GATE=res is not None, DECAY_Z=decay_z, ALIGNED=aligned, EMULATE=interpreting(),
+            BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+
+
+def scalar_step_reference_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str,
+                           decay_z: bool, factor: float | None) -> None:
+    """Pure-torch oracle of :func:`scalar_step_`: the compiled path's group function, run eagerly."""
+    from nonans_optim.optimizers._compiled import _group_kernel
+    _group_kernel(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, sf=sf, policy=policy, decay_z=decay_z,
+                  factor=factor)

@@ -1,0 +1,65 @@
+"""impl="fused" off the CPU: the (SF-)AdamW + resolution step as the multi-tensor Triton kernels of
+``nonans_optim.kernels.scalar_step`` (three launches per group: gradient statistics, per-tensor decisions,
+the one-pass update), the GPU counterpart of the native C loop in :mod:`._fused`.
+
+Which backend runs (``NONANS_FUSED_BACKEND``, read at each step):
+
+* ``"auto"`` (default): the C loop for CPU tensors, Triton for CUDA tensors;
+* ``"triton"``: Triton wherever it can run — on the CPU only under the Triton interpreter
+  (``TRITON_INTERPRET=1``), which is how CI checks this path against ``impl="loop"`` without a GPU;
+* ``"native"``: the C loop only; CUDA groups then run ``impl="compiled"``.
+
+A group the kernels cannot take (mixed dtypes, a strided gradient, triton missing) runs ``impl="compiled"``,
+whose semantics are the same. Host work per step: one small host→device copy of the tensors' addresses
+(gradients are new tensors after every backward) and of the bias corrections; nothing is read back.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .. import kernels
+from ._compiled import _host_scalars, host_steps, resolution_args
+
+__all__ = ["backend", "triton_scalar_update"]
+
+_BACKENDS = ("auto", "native", "triton")
+
+
+def backend(device: torch.device) -> str:
+    """"native" or "triton": which fused kernel a group on ``device`` should try first."""
+    choice = os.environ.get("NONANS_FUSED_BACKEND", "auto")
+    if choice not in _BACKENDS:
+        raise ValueError(f"NONANS_FUSED_BACKEND must be one of {_BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "native" if device.type == "cpu" else "triton"
+    return choice
+
+
+def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                         indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
+                         gamma: torch.Tensor, c: float) -> bool:
+    """The step of ``scalar_update(..., impl="loop")`` on the Triton kernels; False (nothing done) when they
+    cannot take this group."""
+    if not kernels.available():
+        return False
+    from ..kernels import scalar_step as k  # imports triton: only once a fused GPU step needs it
+
+    seconds = [st["z" if sf else "exp_avg"] for st in states]  # schedule-free keeps z, AdamW m
+    vs = [st["exp_avg_sq"] for st in states]
+    if not k.supported(params + grads + seconds + vs) or gamma.device != params[0].device:
+        return False
+    from ._fused import mark_written, resolution_written  # deferred: _fused routes here
+
+    device = params[0].device
+    hp, bcs = _host_scalars(group, host_steps(states), c, device, sf)
+    sel, res, factor = resolution_args(ctx, indices, device)
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    nones = [None] * len(params)
+    k.scalar_step_(params, grads, nones if sf else seconds, vs, seconds if sf else nones, gamma.float(), res,
+                   sel, bcs, hp, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
+                   factor=factor)
+    mark_written(params, seconds, vs, resolution_written(ctx))
+    return True

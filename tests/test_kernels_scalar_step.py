@@ -1,0 +1,243 @@
+"""The multi-tensor Triton (SF-)AdamW step (``kernels/scalar_step.py``): against its oracle, and wired into
+``impl="fused"`` against ``impl="loop"``.
+
+Same two-faced layout as ``test_kernels_elementwise.py``: a normal run re-runs this file under
+``TRITON_INTERPRET=1`` in a subprocess (on the CPU, with ``NONANS_FUSED_BACKEND=triton`` so the optimizer
+takes this path there), and runs the ``gpu``-marked copies on CUDA, where "auto" already picks Triton.
+
+Pinned down:
+* kernel vs oracle (the compiled path's group function, run eagerly) for AdamW and schedule-free, every
+  policy, guard on and off, with NaN/±Inf entries, a finite spike (the guard fires) and a whole-tensor loss
+  on a parameter with a recent event (the hold rule): parameters, moments, the norm EMAs and the exact
+  dense event counts; 16-bit storage within one ulp of the fp32 oracle rounded once;
+* the optimizer: AdamW/SFAdamW ``impl="fused"`` on this path vs ``impl="loop"`` over the fault sequence of
+  ``test_fused.py`` (parameters, state, the Resolution tensors, the events), and a clean "repair" step
+  bit-identical to "off" — with a fallback to ``impl="compiled"`` made to fail the test;
+* views one entry into a buffer (unaligned addresses) take the scalar-access path correctly;
+* GPU only: no host synchronisation in the step (``torch.cuda.set_sync_debug_mode("error")``).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from interpreted import assert_interpreted_suite_passes
+
+pytest.importorskip("triton")
+
+import nonans_optim as no  # noqa: E402
+from nonans_optim.resolution import Resolution  # noqa: E402
+from optim_infos import assert_params_and_state_close, event_tuples  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+SIZES = [1000, 300, 513, 1]  # ragged: partial last blocks, a one-entry tensor
+HP = [0.1, 0.999, 0.001, 1e-8, 0.01, 0.3, -0.1]  # 1-β₁, β₂, 1-β₂, ε, λ, c, β(1-c)-1
+
+
+def _case(device, dtype, seed=0):
+    """Group tensors with every fault kind; Resolution tensors for P = len(SIZES) + 2 parameters."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n, fn=torch.randn):
+        return fn(n, generator=gen).to(device=device, dtype=dtype)
+
+    ps, gs, ms = ([rand(n) for n in SIZES] for _ in range(3))
+    vs = [rand(n, torch.rand) for n in SIZES]
+    gs[0][3], gs[1][0], gs[1][-1] = float("nan"), float("inf"), float("-inf")
+    gs[2].mul_(1e3)  # finite spike: over the guard's cap
+    gs[3].fill_(float("nan"))  # whole-tensor loss on a parameter with a recent event: held under "repair"
+    P = len(SIZES) + 2
+    scale = (torch.rand(P, generator=gen) + 0.5).to(device)
+    ema = (torch.rand(P, generator=gen) * 10).to(device)
+    ema[-2] = 0  # the one-entry tensor's guard is not seeded yet
+    res = (scale, torch.ones(P, dtype=torch.bool, device=device), ema,
+           torch.zeros(P, 6, 2, dtype=torch.int64, device=device))
+    sel = torch.arange(1, len(SIZES) + 1, device=device)
+    bcs = torch.tensor([[0.1, 0.01], [0.2, 0.02], [0.3, 0.03], [0.4, 0.04]], device=device)
+    hp = torch.tensor(HP, dtype=torch.float32, device=device)
+    return ps, gs, ms, vs, res, sel, bcs, hp, torch.tensor(1e-2, device=device)
+
+
+def _step(fn, case, *, sf, policy, factor, upcast=False, copy=torch.clone):
+    ps, gs, ms, vs, res, sel, bcs, hp, gamma = case
+    ps, gs, ms, vs = ([copy(t).float() if upcast else copy(t) for t in x] for x in (ps, gs, ms, vs))
+    res = None if policy == "off" else tuple(t.clone() for t in res)
+    nones = [None] * len(ps)
+    fn(ps, gs, nones if sf else ms, vs, ms if sf else nones, gamma, res, None if res is None else sel, bcs, hp,
+       sf=sf, policy=policy, decay_z=sf, factor=factor)
+    return ps, ms, vs, res
+
+
+# ----------------------------------------------------------------------------------------------- cases
+def case_kernel_matches_oracle(device, sf, policy, factor, dtype):
+    from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
+
+    case = _case(device, dtype)
+    got = _step(scalar_step_, case, sf=sf, policy=policy, factor=factor)
+    want = _step(scalar_step_reference_, case, sf=sf, policy=policy, factor=factor, upcast=True)
+    # fp32: a few ulps (torch's vectorised lerp and the GPU contract into FMAs); 16-bit: the fp32 oracle
+    # rounded once, so at most one ulp of the storage format
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -8, atol=0)
+    for name, a, b in zip(("param", "exp_avg|z", "exp_avg_sq"), got[:3], want[:3]):
+        for i, (x, y) in enumerate(zip(a, b)):
+            torch.testing.assert_close(x, y.to(x.dtype), equal_nan=True, msg=f"{name}[{i}]", **tol)
+    if policy == "off":
+        assert got[3] is None
+        assert not torch.isfinite(got[0][0]).all()  # stock arithmetic: the NaN got through
+        return
+    assert all(torch.isfinite(p).all() for p in got[0])
+    dense_got, dense_want = got[3][3], want[3][3]
+    assert torch.equal(dense_got, dense_want), (dense_got.tolist(), dense_want.tolist())
+    torch.testing.assert_close(got[3][2], want[3][2], rtol=1e-6, atol=0)
+    # every fault kind was counted where it was injected (rows are global indices 1..4)
+    assert dense_got[1, 0].tolist() == [1, 0] and dense_got[2, 0].tolist() == [0, 2]
+    assert dense_got[4, 0, 0] == 1
+    assert dense_got[3, 5, 1] == (1 if factor else 0)  # the spike
+    if policy == "repair":  # the whole-tensor loss with a recent event: held, so the value is unchanged
+        assert torch.equal(got[0][3], case[0][3])
+
+
+def case_unaligned_views(device):
+    """Tensors that are views one entry into a buffer (flat-parameter layouts): their addresses are not
+    16-byte aligned, so the kernel must not take the vector path's alignment for granted."""
+    from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        buf[1:] = t
+        assert buf[1:].data_ptr() % 16 != 0
+        return buf[1:]
+
+    case = _case(device, torch.float32)
+    got = _step(scalar_step_, case, sf=False, policy="repair", factor=5.0, copy=shifted)
+    want = _step(scalar_step_reference_, case, sf=False, policy="repair", factor=5.0)
+    for a, b in zip(got[0] + got[1] + got[2], want[0] + want[1] + want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[3][3], want[3][3])
+
+
+def _run_optimizer(cls, impl, policy, device, *, clean=False):
+    from test_fused import SHAPES, STEPS, _grads
+
+    torch.manual_seed(0)
+    params = [torch.randn(s, device=device, requires_grad=True) for s in SHAPES]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, resolution=policy, impl=impl)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(STEPS):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES] if clean else _grads(t, gen)
+        for p, g in zip(params, grads):
+            p.grad = g.to(device)
+        opt.step()
+    return params, opt
+
+
+def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
+    from nonans_optim.optimizers import _fused
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the Triton path fell back to impl='compiled'")
+
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
+    ref, ref_opt = _run_optimizer(cls, "loop", policy, device)
+    got, got_opt = _run_optimizer(cls, "fused", policy, device)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
+    if policy == "off":
+        return
+    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
+    for key in Resolution("repair", 1, torch.device("cpu")).tensors:
+        if key != "grad_norm_ema":
+            assert torch.equal(got_res[key], ref_res[key]), key
+    torch.testing.assert_close(got_res["grad_norm_ema"], ref_res["grad_norm_ema"], rtol=1e-5, atol=0)
+    assert {"grad", "moment", "spike"} <= {e[2] for e in event_tuples(got_opt)}
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+
+
+def case_clean_repair_is_off(device, cls, monkeypatch):
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    runs = [_run_optimizer(cls, "fused", policy, device, clean=True)[0] for policy in ("repair", "off")]
+    for p, q in zip(*runs):
+        assert torch.equal(p, q)
+
+
+def _define(device, marks=()):
+    def mark(fn):
+        for m in marks:
+            fn = m(fn)
+        return fn
+
+    @mark
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+    @pytest.mark.parametrize("policy, factor", [("repair", None), ("repair", 5.0), ("skip", None),
+                                                ("skip", 5.0), ("off", None)])  # "off" has no guard
+    @pytest.mark.parametrize("sf", [False, True], ids=["adamw", "sf"])
+    def test_kernel_matches_oracle(sf, policy, factor, dtype):
+        case_kernel_matches_oracle(device, sf, policy, factor, dtype)
+
+    @mark
+    def test_unaligned_views():
+        case_unaligned_views(device)
+
+    @mark
+    @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_optimizer_matches_loop(cls, policy, monkeypatch):
+        case_optimizer_matches_loop(device, cls, policy, monkeypatch)
+
+    @mark
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_clean_repair_is_off(cls, monkeypatch):
+        case_clean_repair_is_off(device, cls, monkeypatch)
+
+    return test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off
+
+
+if INTERPRETED:
+    pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+    (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop,
+     test_clean_repair_is_off) = _define("cpu")
+else:
+    def test_interpreter_suite():
+        """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
+        assert_interpreted_suite_passes(__file__, timeout=600)
+
+    def test_backend_choice(monkeypatch):
+        from nonans_optim.optimizers._fused_triton import backend
+
+        monkeypatch.delenv("NONANS_FUSED_BACKEND", raising=False)
+        assert backend(torch.device("cpu")) == "native" and backend(torch.device("cuda")) == "triton"
+        monkeypatch.setenv("NONANS_FUSED_BACKEND", "native")
+        assert backend(torch.device("cuda")) == "native"
+        monkeypatch.setenv("NONANS_FUSED_BACKEND", "cuda")
+        with pytest.raises(ValueError, match="NONANS_FUSED_BACKEND"):
+            backend(torch.device("cpu"))
+
+    def test_triton_on_cpu_without_interpreter_runs_compiled(monkeypatch):
+        """Forcing Triton where it cannot run (CPU tensors, no interpreter) takes impl="compiled", with the
+        same results — never a Triton launch on host pointers."""
+        monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+        got = _run_optimizer(no.AdamW, "fused", "repair", "cpu")[0]
+        want = _run_optimizer(no.AdamW, "compiled", "repair", "cpu")[0]
+        for p, q in zip(got, want):
+            assert torch.equal(p, q)
+
+    gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
+    (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
+     test_gpu_clean_repair_is_off) = _define("cuda", marks=gpu)
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_gpu_fused_step_never_syncs(cls):
+        params = [torch.randn(300, 70, device="cuda", requires_grad=True), torch.randn(5, device="cuda")]
+        opt = cls(params, lr=1e-2, impl="fused")
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
