@@ -21,3 +21,12 @@ def assert_interpreted_suite_passes(test_file: str, *, timeout: int) -> None:
     assert proc.returncode == 0, f"interpreter suite failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
     summary = [line for line in proc.stdout.splitlines() if line.strip()][-1]
     assert " passed" in summary and "skipped" not in summary, summary
+
+
+def marker(marks=()):
+    """A decorator that applies every mark in ``marks``: how a file's cases become their ``gpu`` copies."""
+    def mark(fn):
+        for m in marks:
+            fn = m(fn)
+        return fn
+    return mark

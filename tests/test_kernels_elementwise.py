@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes
+from interpreted import assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -188,10 +188,7 @@ PARAM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def _define(device, marks=()):
     """Collect the cases as tests on ``device`` (``marks`` applied to each)."""
-    def mark(fn):
-        for m in marks:
-            fn = m(fn)
-        return fn
+    mark = marker(marks)
 
     @mark
     @pytest.mark.parametrize("policy", POLICIES)

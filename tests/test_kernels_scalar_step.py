@@ -22,7 +22,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes
+from interpreted import assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -163,10 +163,7 @@ def case_clean_repair_is_off(device, cls, monkeypatch):
 
 
 def _define(device, marks=()):
-    def mark(fn):
-        for m in marks:
-            fn = m(fn)
-        return fn
+    mark = marker(marks)
 
     @mark
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
