@@ -8,7 +8,10 @@ only in the policy, "repair" and "off", run side by side in interleaved rounds (
 * a whole training step of a small transformer (forward, backward, step) on a fixed batch.
 
 Reported: median times, the ratio repair/off of the medians, and the median of the per-round paired ratios
-(the two arms of a pair run back to back, so the paired ratio cancels most of the machine's drift).
+(the two arms of a pair run back to back, so the paired ratio cancels most of the machine's drift). Then a
+sweep over tensor size for AdamW (fused) — "off", "repair", "repair" without the spike guard — which
+separates the guard's extra read of g (free while the tensor is cache-resident, +4 of 28 bytes per entry
+once it is not) from the rest of the resolution work.
 On a CUDA machine the same runs happen on the GPU and absolute milliseconds are reported with the device
 named; on CPU only ratios mean something (a shared machine).
 
@@ -101,6 +104,34 @@ def _interleave_pairs(arms: dict[str, Callable], args, device) -> dict[str, list
     return out
 
 
+SWEEP_ARMS = ("AdamW (fused)", "AdamW (fused, spike_factor=None)")
+SWEEP_SIZES, QUICK_SWEEP_SIZES = (1 << 16, 1 << 20, 1 << 24), (1 << 10, 1 << 12)
+# bytes per entry an fp32 AdamW step must move: read p, g, m, v and write p, m, v; the guard's pre-pass
+# reads g once more, which is free only while the tensor's g is still in a cache when the update re-reads it
+STEP_BYTES, GUARD_BYTES = 28, 32
+
+
+def _size_sweep(args, device) -> list[dict[str, Any]]:
+    """What the spike guard and the rest of "repair" cost as a function of tensor size, on one tensor:
+    "off", "repair" with and without the guard, interleaved, inner steps sized to about 4M entries."""
+    rows = []
+    for n in (QUICK_SWEEP_SIZES if args.quick else SWEEP_SIZES):
+        torch.manual_seed(0)
+        base = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n, device=device))])
+        grads = [torch.randn(n, device=device) * 1e-2]
+        arms = {"off": _step_arm(base, grads, OPTIMIZERS["AdamW (fused)"], "off"),
+                "repair": _step_arm(base, grads, OPTIMIZERS["AdamW (fused)"], "repair"),
+                "repair_no_guard": _step_arm(base, grads, OPTIMIZERS[SWEEP_ARMS[1]], "repair")}
+        times = interleaved(arms, rounds=2 * args.rounds, warmup=args.warmup, inner=max(1, (1 << 22) // n),
+                            device=device)
+        off = times["off"]
+        rows.append({"entries": n, "state_mib": 4 * n * 4 / 2 ** 20, "off_ms": 1e3 * statistics.median(off),
+                     **{f"{k}_paired_ratio": statistics.median(a / b for a, b in zip(times[k], off))
+                        for k in ("repair", "repair_no_guard")}})
+        del arms
+    return rows
+
+
 def run(args) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,6 +150,7 @@ def run(args) -> dict[str, Any]:
     train_arms = {f"{n} | {p}": _train_arm(base, batch, make, p) for n, make in OPTIMIZERS.items()
                   for p in POLICIES}
     train_times = _interleave_pairs(train_arms, args, device)
+    sweep = _size_sweep(args, device)
     machine["loadavg_end"] = list(os.getloadavg())
     rows = []
     for name in OPTIMIZERS:
@@ -135,7 +167,7 @@ def run(args) -> dict[str, Any]:
             "settings": {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner,
                          "wall_s": time.perf_counter() - t0},
             "targets": {"cpu_step_ratio_max": 1.02, "gpu_train_share_max": 0.003, "applies": limit},
-            "rows": rows,
+            "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
             "raw_ms": {"step": {k: [1e3 * x for x in v] for k, v in step_times.items()},
                        "train_step": {k: [1e3 * x for x in v] for k, v in train_times.items()}}}
 
@@ -170,6 +202,17 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"\nTarget (CPU): repair ≤ +2% of the optimizer step — "
                      f"{'met by every optimizer' if not miss else 'MISSED by ' + ', '.join(miss)}. "
                      "No GPU in this run: the GPU target (≤ 0.3% of a training step) was not measured.")
+    if data.get("size_sweep"):
+        b = data["bytes_per_entry"]
+        lines += ["", "**AdamW (fused) by tensor size** — one fp32 tensor, clean steps, paired ratios against "
+                  f"\"off\". The step must move {b['step']} bytes per entry; the spike guard's pre-pass reads g "
+                  f"once more ({b['with_guard']} bytes, ×{b['with_guard'] / b['step']:.3f}), which costs nothing "
+                  "only while g is still cached when the update re-reads it.", "",
+                  "| entries | p, g, m, v MiB | off ms | repair / off | repair without guard / off |",
+                  "|---|---|---|---|---|"]
+        for r in data["size_sweep"]:
+            lines.append(f"| {r['entries']:,} | {r['state_mib']:.1f} | {r['off_ms']:.3f} | "
+                         f"{r['repair_paired_ratio']:.3f} | {r['repair_no_guard_paired_ratio']:.3f} |")
     return "\n".join(lines)
 
 

@@ -313,8 +313,10 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
     numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
     if nblocks == 0:
         return
+    # pinned (torch's caching host allocator: no allocation per step once warm), so the copy is truly
+    # asynchronous; the allocator keeps the block until the copy has run
     addr_host = torch.tensor([[t.data_ptr() for t in row] for row in zip(params, grads, seconds, vs)],
-                             dtype=torch.int64)
+                             dtype=torch.int64, pin_memory=device.type == "cuda")
     addr = addr_host.to(device, non_blocking=True)
     ty = tl_dtype(params[0].dtype)
     aligned = bool((addr_host % 16 == 0).all())

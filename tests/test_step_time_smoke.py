@@ -59,6 +59,10 @@ def test_overhead_quick(tmp_path):
                                                                "median_paired_ratio")), r
     for kind in ("step", "train_step"):
         assert len(data["raw_ms"][kind]) == 2 * len(expected) and all(len(v) == 2 for v in data["raw_ms"][kind].values())
+    assert [r["entries"] for r in data["size_sweep"]] == [1 << 10, 1 << 12]
+    for r in data["size_sweep"]:
+        assert all(_finite_positive(r[k])
+                   for k in ("off_ms", "repair_paired_ratio", "repair_no_guard_paired_ratio"))
 
 
 @pytest.mark.slow
