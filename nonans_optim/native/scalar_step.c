@@ -12,7 +12,8 @@
  *      needs to know whether any entry is bad, the hold rule whether *every* entry is bad): the sum of
  *      squares and the non-finite count of g, per chunk. Threads take whole chunks, and each reads the
  *      same chunks in pass 2, which it has just pulled into its L2 cache;
- *   2. the update: gate, moments, direction, parameter, last-line update guard, counts.
+ *   2. the update: gate, moments, direction, parameter, last-line update guard, counts — in a leaner
+ *      loop for each block that pass 1 found free of non-finite g (update_block, "clean").
  *
  * Compiled with -ffp-contract=off (no FMA contraction): a clean "repair" step must be bit-identical to
  * "off", and both run this same code, so the only difference may be the selects, which change nothing
@@ -26,69 +27,91 @@ typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
 } hyper_t;
 
-/* Pass 2 over [lo, hi) of one tensor. sf/gate/decay_z are compile-time constants at every call site,
- * so the compiler emits one straight vector loop per variant. */
+/* One block [b0, b1) of pass 2, adding its five counts to c. sf/gate/clean/decay_z are compile-time
+ * constants at every call site, so the compiler emits one straight vector loop per variant.
+ *
+ * clean: pass 1 found no non-finite g in this block (and the tensor is neither held nor kept whole), so
+ * the gradient gate selects nothing and its two counts are known to be zero: the loop drops them. The
+ * counts were the largest part of the resolution's arithmetic (a cache-resident step, where arithmetic
+ * rather than memory sets the pace: python -m experiments overhead, "by tensor size"). */
+static inline __attribute__((always_inline)) void update_block(
+        const int sf, const int gate, const int clean, const int decay_z,
+        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
+        int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
+        int hold, int keep_all, int64_t *c) {
+    int gn = 0, gb = 0, ov = 0, un = 0, ub = 0;
+#pragma omp simd reduction(+ : gn, gb, ov, un, ub)
+    for (int64_t j = b0; j < b1; j++) {
+        const float gr = g[j];
+        const int ok = clean ? 1 : finitef_(gr);
+        const float gs = gr * s; /* s == 1.0f exactly unless the spike guard fired */
+        const float vo = v[j];
+        const float g2 = h.one_m_b2 * gs * gs;
+        float vn = vo * h.b2 + g2;
+        float mo = 0.0f, mn, zo = 0.0f, zn = 0.0f, y;
+        if (sf) {
+            mn = gate ? (ok ? gs : 0.0f) : gs; /* no first moment: a missing entry moves nothing */
+        } else {
+            mo = m[j];
+            mn = lerpf_(mo, gate ? (ok ? gs : mo) : gs, h.one_m_b1); /* missing: m keeps its value */
+        }
+        if (gate) vn = finitef_(vn) ? vn : vo;
+        const float denom = sqrtf(vn / bc2) + h.eps;
+        float d = sf ? mn / denom : (mn / bc1) / denom;
+        const float po = p[j];
+        if (sf) {
+            zo = z[j];
+            if (decay_z) d = d + zo * h.wd;
+            y = lerpf_(po, zo, h.c) + d * lrc;
+            zn = zo - d * lr;
+        } else {
+            y = po * wdf - lr * d;
+        }
+        if (gate) {
+            if (!clean) {
+                gn += gr != gr;
+                gb += !ok;
+            }
+            ov += ok & !finitef_(g2);
+            un += y != y;
+            ub += !finitef_(y);
+            y = (finitef_(y) & !hold) ? y : po;
+            if (sf) {
+                un += zn != zn;
+                ub += !finitef_(zn);
+                zn = (finitef_(zn) & !hold) ? zn : zo;
+            }
+            if (!clean && keep_all) { /* "skip": the tensor had a bad entry; counted, nothing written */
+                y = po;
+                vn = vo;
+                mn = mo;
+                zn = zo;
+            }
+        }
+        p[j] = y;
+        v[j] = vn;
+        if (sf) z[j] = zn; else m[j] = mn;
+    }
+    c[0] += gn; c[1] += gb; c[2] += ov; c[3] += un; c[4] += ub;
+}
+
+/* Pass 2 over [lo, hi) of one tensor, block by block. bad: pass 1's per-chunk non-finite counts of this
+ * tensor (chunks are the blocks), or NULL when pass 1 did not run; a block it found clean takes the
+ * clean loop. */
 static inline __attribute__((always_inline)) void update_range(
         const int sf, const int gate, const int decay_z,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t lo, int64_t hi, float s, float lr, float bc1, float bc2, const hyper_t h,
-        int hold, int keep_all, int64_t *out) {
+        int hold, int keep_all, const int64_t *bad, int64_t *out) {
     const float wdf = 1.0f - lr * h.wd, lrc = lr * h.coef;
     int64_t tot[NCOUNT] = {0, 0, 0, 0, 0};
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
         const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
-        int gn = 0, gb = 0, ov = 0, un = 0, ub = 0;
-#pragma omp simd reduction(+ : gn, gb, ov, un, ub)
-        for (int64_t j = b0; j < b1; j++) {
-            const float gr = g[j];
-            const int ok = finitef_(gr);
-            const float gs = gr * s; /* s == 1.0f exactly unless the spike guard fired */
-            const float vo = v[j];
-            const float g2 = h.one_m_b2 * gs * gs;
-            float vn = vo * h.b2 + g2;
-            float mo = 0.0f, mn, zo = 0.0f, zn = 0.0f, y;
-            if (sf) {
-                mn = gate ? (ok ? gs : 0.0f) : gs; /* no first moment: a missing entry moves nothing */
-            } else {
-                mo = m[j];
-                mn = lerpf_(mo, gate ? (ok ? gs : mo) : gs, h.one_m_b1); /* missing: m keeps its value */
-            }
-            if (gate) vn = finitef_(vn) ? vn : vo;
-            const float denom = sqrtf(vn / bc2) + h.eps;
-            float d = sf ? mn / denom : (mn / bc1) / denom;
-            const float po = p[j];
-            if (sf) {
-                zo = z[j];
-                if (decay_z) d = d + zo * h.wd;
-                y = lerpf_(po, zo, h.c) + d * lrc;
-                zn = zo - d * lr;
-            } else {
-                y = po * wdf - lr * d;
-            }
-            if (gate) {
-                gn += gr != gr;
-                gb += !ok;
-                ov += ok & !finitef_(g2);
-                un += y != y;
-                ub += !finitef_(y);
-                y = (finitef_(y) & !hold) ? y : po;
-                if (sf) {
-                    un += zn != zn;
-                    ub += !finitef_(zn);
-                    zn = (finitef_(zn) & !hold) ? zn : zo;
-                }
-                if (keep_all) { /* "skip": the tensor had a bad entry; counted, nothing written */
-                    y = po;
-                    vn = vo;
-                    mn = mo;
-                    zn = zo;
-                }
-            }
-            p[j] = y;
-            v[j] = vn;
-            if (sf) z[j] = zn; else m[j] = mn;
-        }
-        tot[0] += gn; tot[1] += gb; tot[2] += ov; tot[3] += un; tot[4] += ub;
+        if (gate && bad != NULL && bad[b0 / BLOCK] == 0 && !hold && !keep_all)
+            update_block(sf, gate, 1, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, tot);
+        else
+            update_block(sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
+                         keep_all, tot);
     }
     if (hold) tot[3] = tot[4] = 0; /* a held tensor writes nothing, so it counts no update */
     for (int k = 0; k < NCOUNT; k++) out[k] = tot[k];
@@ -192,15 +215,16 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
             }
             int64_t *out = &cnt[(i * T + tid) * NCOUNT];
             const float l = lr[i], b1c = bc[2 * i], b2c = bc[2 * i + 1];
-            float *zi = sf ? z[i] : NULL, *mi = sf ? NULL : m[i];
+            float *zi = sf ? z[i] : NULL, *mi = sf ? NULL : m[i], *pi = p[i], *vi = v[i];
+            const int64_t *bad = need1 ? &bad1[off] : NULL; /* pass 1's per-chunk verdicts, when it ran */
             if (sf) {
-                if (!gate && decay_z) update_range(1, 0, 1, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, 0, 0, out);
-                else if (!gate) update_range(1, 0, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, 0, 0, out);
-                else if (decay_z) update_range(1, 1, 1, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, out);
-                else update_range(1, 1, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, out);
+                if (!gate && decay_z) update_range(1, 0, 1, pi, gi, mi, vi, zi, lo, hi, s, l, b1c, b2c, h, 0, 0, NULL, out);
+                else if (!gate) update_range(1, 0, 0, pi, gi, mi, vi, zi, lo, hi, s, l, b1c, b2c, h, 0, 0, NULL, out);
+                else if (decay_z) update_range(1, 1, 1, pi, gi, mi, vi, zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, bad, out);
+                else update_range(1, 1, 0, pi, gi, mi, vi, zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, bad, out);
             } else {
-                if (!gate) update_range(0, 0, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, 0, 0, out);
-                else update_range(0, 1, 0, p[i], gi, mi, v[i], zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, out);
+                if (!gate) update_range(0, 0, 0, pi, gi, mi, vi, zi, lo, hi, s, l, b1c, b2c, h, 0, 0, NULL, out);
+                else update_range(0, 1, 0, pi, gi, mi, vi, zi, lo, hi, s, l, b1c, b2c, h, hold, keep_all, bad, out);
             }
         }
     }
