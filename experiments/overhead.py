@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import time
@@ -32,7 +33,7 @@ import torch
 import nonans_optim as no
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
 from experiments.questions_io import publish
-from experiments.step_time import ROOT, interleaved, machine_info
+from experiments.step_time import ROOT, interleaved, machine_info, sync
 
 LR = 1e-3
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -85,23 +86,33 @@ def _paired(times: dict[str, list[float]], name: str) -> dict[str, float]:
             "overhead_ms": 1e3 * (med_r - med_o)}
 
 
-def _interleave_pairs(arms: dict[str, Callable], args, device) -> dict[str, list[float]]:
+def _interleave_pairs(arms: dict[str, Callable], args, device) -> tuple[dict[str, list[float]], dict[str, int]]:
     """interleaved() with each optimizer's repair/off arms kept adjacent (the rotation moves whole pairs,
-    and which of the two runs first alternates with the round)."""
+    and which of the two runs first alternates with the round). Each sample times ``inner`` calls back to
+    back: at least ``args.inner``, and enough for about ``args.sample_ms`` (from the last warm-up call), so
+    a 2 ms step is not timed one call at a time against a shared machine's jitter. Returns the seconds
+    per call and the inner count of each optimizer."""
     names = list(OPTIMIZERS)
     out: dict[str, list[float]] = {k: [] for k in arms}
+    inner: dict[str, int] = {}
     for name in names:
+        slowest = 0.0
         for pol in POLICIES:
             for _ in range(args.warmup):
+                sync(device)
+                t0 = time.perf_counter()
                 arms[f"{name} | {pol}"]()
+                sync(device)
+            slowest = max(slowest, time.perf_counter() - t0)
+        inner[name] = max(args.inner, math.ceil(args.sample_ms * 1e-3 / max(slowest, 1e-9)))
     for r in range(args.rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             pols = POLICIES if r % 2 == 0 else POLICIES[::-1]
             pair = {f"{name} | {p}": arms[f"{name} | {p}"] for p in pols if f"{name} | {p}" in arms}
-            for key, t in interleaved(pair, rounds=1, warmup=0, inner=args.inner, device=device).items():
+            for key, t in interleaved(pair, rounds=1, warmup=0, inner=inner[name], device=device).items():
                 out[key] += t
-    return out
+    return out, inner
 
 
 SWEEP_ARMS = ("AdamW (fused)", "AdamW (fused, spike_factor=None)")
@@ -145,11 +156,11 @@ def run(args) -> dict[str, Any]:
     t0 = time.perf_counter()
     step_arms = {f"{n} | {p}": _step_arm(base, grads, make, p) for n, make in OPTIMIZERS.items()
                  for p in POLICIES}
-    step_times = _interleave_pairs(step_arms, args, device)
+    step_times, step_inner = _interleave_pairs(step_arms, args, device)
     del step_arms
     train_arms = {f"{n} | {p}": _train_arm(base, batch, make, p) for n, make in OPTIMIZERS.items()
                   for p in POLICIES}
-    train_times = _interleave_pairs(train_arms, args, device)
+    train_times, train_inner = _interleave_pairs(train_arms, args, device)
     sweep = _size_sweep(args, device)
     machine["loadavg_end"] = list(os.getloadavg())
     rows = []
@@ -165,6 +176,7 @@ def run(args) -> dict[str, Any]:
             "machine": machine, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "model": {**vars(cfg), "batch": args.batch},
             "settings": {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner,
+                         "sample_ms": args.sample_ms, "inner_step": step_inner, "inner_train_step": train_inner,
                          "wall_s": time.perf_counter() - t0},
             "targets": {"cpu_step_ratio_max": 1.02, "gpu_train_share_max": 0.003, "applies": limit},
             "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
@@ -182,8 +194,10 @@ def render(data: dict[str, Any]) -> str:
              f"{m['loadavg_end'][0]:.1f}.",
              f"Clean steps only. GPT-like d={data['model']['d']}, {data['model']['layers']} layers, batch "
              f"{data['model']['batch']}×{data['model']['ctx']} tokens; {s['warmup']} warm-up, {s['rounds']} "
-             f"interleaved rounds of {s['inner']} step(s); the repair and off arms of an optimizer run back to "
-             "back (paired ratio = median over rounds of repair/off).",
+             f"interleaved rounds; each sample times enough steps back to back for about {s['sample_ms']:g} ms "
+             f"(optimizer step: {min(s['inner_step'].values())}–{max(s['inner_step'].values())} steps; training "
+             f"step: {min(s['inner_train_step'].values())}–{max(s['inner_train_step'].values())}); the repair and "
+             "off arms of an optimizer run back to back (paired ratio = median over rounds of repair/off).",
              "", "| optimizer | step off ms | step repair ms | step ratio (paired) | train step off ms | "
              "train ratio (paired) | step overhead / train step |", "|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -221,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (for tests)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--inner", type=int, default=1)
+    ap.add_argument("--inner", type=int, default=1, help="at least this many steps per timed sample")
+    ap.add_argument("--sample-ms", type=float, default=None,
+                    help="time enough steps per sample for about this long (default 25; --quick 0)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
@@ -230,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 15)
     args.warmup = args.warmup or (2 if args.quick else 3)
+    if args.sample_ms is None:
+        args.sample_ms = 0.0 if args.quick else 25.0
     data = run(args)
     publish(data, Path(args.out), render(data), args.results_md, "overhead",
             "Resolution overhead on clean steps (issue 3)")
