@@ -30,17 +30,20 @@ typedef struct {
 /* One block [b0, b1) of pass 2, adding its five counts to c. sf/gate/clean/decay_z are compile-time
  * constants at every call site, so the compiler emits one straight vector loop per variant.
  *
- * clean: pass 1 found no non-finite g in this block (and the tensor is neither held nor kept whole), so
- * the gradient gate selects nothing and its two counts are known to be zero: the loop drops them. The
- * counts were the largest part of the resolution's arithmetic (a cache-resident step, where arithmetic
- * rather than memory sets the pace: python -m experiments overhead, "by tensor size"). */
+ * Counting is most of the resolution's arithmetic once the data is cache-resident (python -m experiments
+ * overhead, "by tensor size"), so the loop keeps three counters, not five: a non-finite g always gives a
+ * non-finite g² term (NaN² is NaN, ±Inf² is Inf), so one count of non-finite g² terms covers both the
+ * bad gradient entries and the finite ones whose square overflowed. Only a block where it is nonzero
+ * counts its NaN and non-finite gradient entries again, from g, which the loop never writes — exact, and
+ * rare. clean: pass 1 found no non-finite g in this block (and the tensor is neither held nor kept
+ * whole), so the gradient gate selects nothing and the recount is not needed. */
 static inline __attribute__((always_inline)) void update_block(
         const int sf, const int gate, const int clean, const int decay_z,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
-    int gn = 0, gb = 0, ov = 0, un = 0, ub = 0;
-#pragma omp simd reduction(+ : gn, gb, ov, un, ub)
+    int g2bad = 0, un = 0, ub = 0;
+#pragma omp simd reduction(+ : g2bad, un, ub)
     for (int64_t j = b0; j < b1; j++) {
         const float gr = g[j];
         const int ok = clean ? 1 : finitef_(gr);
@@ -68,11 +71,7 @@ static inline __attribute__((always_inline)) void update_block(
             y = po * wdf - lr * d;
         }
         if (gate) {
-            if (!clean) {
-                gn += gr != gr;
-                gb += !ok;
-            }
-            ov += ok & !finitef_(g2);
+            g2bad += !finitef_(g2);
             un += y != y;
             ub += !finitef_(y);
             y = (finitef_(y) & !hold) ? y : po;
@@ -92,7 +91,15 @@ static inline __attribute__((always_inline)) void update_block(
         v[j] = vn;
         if (sf) z[j] = zn; else m[j] = mn;
     }
-    c[0] += gn; c[1] += gb; c[2] += ov; c[3] += un; c[4] += ub;
+    int gn = 0, gb = 0;
+    if (!clean && g2bad > 0) {
+#pragma omp simd reduction(+ : gn, gb)
+        for (int64_t j = b0; j < b1; j++) {
+            gn += g[j] != g[j];
+            gb += !finitef_(g[j]);
+        }
+    }
+    c[0] += gn; c[1] += gb; c[2] += g2bad - gb; c[3] += un; c[4] += ub;
 }
 
 /* Pass 2 over [lo, hi) of one tensor, block by block. bad: pass 1's per-chunk non-finite counts of this
