@@ -124,7 +124,7 @@ STEP_BYTES, GUARD_BYTES = 28, 32
 
 def _size_sweep(args, device) -> list[dict[str, Any]]:
     """What the spike guard and the rest of "repair" cost as a function of tensor size, on one tensor:
-    "off", "repair" with and without the guard, interleaved, inner steps sized to about 4M entries."""
+    "off", "repair" with and without the guard, interleaved, each sample about ``args.sample_ms`` long."""
     rows = []
     for n in (QUICK_SWEEP_SIZES if args.quick else SWEEP_SIZES):
         torch.manual_seed(0)
@@ -133,10 +133,17 @@ def _size_sweep(args, device) -> list[dict[str, Any]]:
         arms = {"off": _step_arm(base, grads, OPTIMIZERS["AdamW (fused)"], "off"),
                 "repair": _step_arm(base, grads, OPTIMIZERS["AdamW (fused)"], "repair"),
                 "repair_no_guard": _step_arm(base, grads, OPTIMIZERS[SWEEP_ARMS[1]], "repair")}
-        times = interleaved(arms, rounds=2 * args.rounds, warmup=args.warmup, inner=max(1, (1 << 22) // n),
-                            device=device)
+        for _ in range(args.warmup):
+            arms["off"]()
+        sync(device)
+        t0 = time.perf_counter()
+        arms["off"]()
+        sync(device)
+        inner = max(args.inner, math.ceil(args.sample_ms * 1e-3 / max(time.perf_counter() - t0, 1e-9)))
+        times = interleaved(arms, rounds=2 * args.rounds, warmup=args.warmup, inner=inner, device=device)
         off = times["off"]
         rows.append({"entries": n, "state_mib": 4 * n * 4 / 2 ** 20, "off_ms": 1e3 * statistics.median(off),
+                     "inner": inner,
                      **{f"{k}_paired_ratio": statistics.median(a / b for a, b in zip(times[k], off))
                         for k in ("repair", "repair_no_guard")}})
         del arms
