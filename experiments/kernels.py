@@ -248,14 +248,68 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
             "elementwise": elementwise, "fused_step": fused_step, "targets": check_targets(rows)}
 
 
+def _ms(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def render(data: dict[str, Any]) -> str:
+    """The RESULTS.md section of one run (tables from the JSON; nothing typed by hand)."""
+    t, c, e, f = data["targets"], data["crossover"], data["elementwise"], data.get("fused_step")
+    lines = [f"Command: `{data['command']}` (JSON: `results/kernels.json`) on {data['device']}, torch "
+             f"{data['torch']}, triton {data['triton']}. Anchors: bf16 matmul {data['matmul_bf16_tflops']:.0f} "
+             f"TFLOP/s, copy {data['copy_gbps']:.0f} GB/s (read + write). NS5: {ITERATIONS} bf16 iterations; "
+             "TFLOP/s count the dense 4m²n + 2m³ per iteration; the symmetric limit is the one-triangle count "
+             "at the measured matmul rate.", "",
+             "| batch × m × n | eager ms | compiled ms | Triton ms | vs eager | vs compiled | Triton TFLOP/s | "
+             "Triton / symmetric limit | rel. error Triton / eager |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["ns5"]:
+        vs_compiled = f"{r['speedup_vs_compiled']:.2f}x" if "speedup_vs_compiled" in r else "—"
+        lines.append(f"| {r['batch']}×{r['m']}×{r['n']} | {_ms(r['eager_ms'])} | {_ms(r.get('compiled_ms'))} | "
+                     f"{_ms(r['triton_ms'])} | {r['speedup_vs_eager']:.2f}x | {vs_compiled} | "
+                     f"{r['triton_tflops']:.0f} | {r['ratio_to_symmetric_limit']:.2f} | "
+                     f"{r['rel_err_triton']:.1e} / {r['rel_err_eager']:.1e} |")
+
+    def verdict(key: str) -> str:
+        value, ok = t[key], t["met"][key]
+        if value is None:
+            return f"{key}: not run"
+        return f"{key} {value:.2f} (target {t['targets'][key]}): {'met' if ok else 'MISSED'}"
+
+    lines += ["", f"Targets: {'; '.join(verdict(k) for k in t['met'])}. Crossover (smallest single square "
+              f"size from which Triton is never slower than eager): {c.get('single_square_min_dim')}.", "",
+              "| elementwise (fp32) | ms | GB/s | share of copy bandwidth |", "|---|---|---|---|",
+              f"| fused_adamw_ repair ({e['numel']:,} entries) | {_ms(e['adamw_repair_ms'])} | "
+              f"{e['adamw_repair_gbps']:.0f} | {e['adamw_repair_fraction_of_copy']:.2f} |",
+              f"| momentum_update_ repair | {_ms(e['momentum_repair_ms'])} | {e['momentum_repair_gbps']:.0f} | "
+              f"{e['momentum_fraction_of_copy']:.2f} |"]
+    if f:
+        for arm, label in (("repair", 'AdamW(impl="fused") repair'), ("off", 'AdamW(impl="fused") off'),
+                           ("torch_fused", "torch.optim.AdamW(fused=True)")):
+            lines.append(f"| {label}, {f['tensors']} tensors, {f['numel']:,} entries | {_ms(f[arm + '_ms'])} | "
+                         f"{f[arm + '_gbps']:.0f} | {f[arm + '_fraction_of_copy']:.2f} |")
+        lines.append(f"\nAdamW(impl=\"fused\") repair / off: {f['repair_vs_off']:.3f}; repair / torch fused: "
+                     f"{f['repair_vs_torch_fused']:.3f}. Target: the fused elementwise kernel at ≥ 0.80 of the copy "
+                     "bandwidth.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     parser.add_argument("--out", type=Path, default=None, help=f"JSON path (default {JSON_PATH}; "
                         "the dry run writes only when given)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
+    parser.add_argument("--results-md", default=str(ROOT / "RESULTS.md"),
+                        help="where a GPU run's table goes ('' to skip; a dry run never writes it)")
+    parser.add_argument("--render-only", action="store_true", help="re-render RESULTS.md from the JSON")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.render_only:
+        data = json.loads((args.out or JSON_PATH).read_text())
+        if data["dry_run"]:
+            raise SystemExit("kernels: a dry run's timings mean nothing; RESULTS.md takes GPU runs only")
+        _publish(data, args.results_md)
+        return 0
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -277,7 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
+    if not args.dry_run:
+        _publish(result, args.results_md)
     return 0
+
+
+def _publish(data: dict[str, Any], results_md: str) -> None:
+    from experiments.questions_io import replace_section
+
+    text = render(data)
+    print(text)
+    if results_md:
+        replace_section(Path(results_md), "kernels", text, title="Triton kernels on a GPU (issue 4)")
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ def run(args) -> dict[str, Any]:
                      train_row["off_ms"]})
     gpu = device.type == "cuda"
     limit = {"step": None if gpu else 1.02, "train_share": 0.003 if gpu else None}
-    return {"command": "python -m experiments overhead" + (" --quick" if args.quick else ""),
+    return {"command": "python -m experiments overhead" + (" --quick" if args.quick else "") +
+            (" --device cuda" if gpu else ""),
             "machine": machine, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "model": {**vars(cfg), "batch": args.batch},
             "settings": {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner,
@@ -196,7 +197,8 @@ def render(data: dict[str, Any]) -> str:
     gpu = data["device"] != "cpu"
     where = (f"GPU {data['device']}" if gpu else
              f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads")
-    lines = [f"Command: `{data['command']}` (JSON: `results/overhead.json`), measured {m['date']} on "
+    json_path = data.get("json", "results/overhead.json")
+    lines = [f"Command: `{data['command']}` (JSON: `{json_path}`), measured {m['date']} on "
              f"{where}, torch {m['torch']}; load average {m['loadavg_start'][0]:.1f} → "
              f"{m['loadavg_end'][0]:.1f}.",
              f"Clean steps only. GPT-like d={data['model']['d']}, {data['model']['layers']} layers, batch "
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    ap.add_argument("--out", default=str(ROOT / "results" / "overhead.json"))
+    ap.add_argument("--out", default=None, help="JSON path (default results/overhead.json, on a GPU "
+                    "results/overhead_cuda.json: the CPU table stays)")
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 15)
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample_ms is None:
         args.sample_ms = 0.0 if args.quick else 25.0
     data = run(args)
-    publish(data, Path(args.out), render(data), args.results_md, "overhead",
-            "Resolution overhead on clean steps (issue 3)")
+    gpu = data["device"] != "cpu"
+    out = Path(args.out) if args.out else ROOT / "results" / ("overhead_cuda.json" if gpu else "overhead.json")
+    data["json"] = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)
+    title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + " (issue 3)"
+    publish(data, out, render(data), args.results_md, "overhead-gpu" if gpu else "overhead", title)
     return 0

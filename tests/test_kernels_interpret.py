@@ -241,6 +241,12 @@ if INTERPRETED:
         assert data["elementwise"]["adamw_repair_gbps"] > 0
         fused = data["fused_step"]
         assert fused["numel"] == 4096 and all(fused[f"{k}_ms"] > 0 for k in ("repair", "off", "torch_fused"))
+        text = bench.render(data)  # the GPU run's RESULTS.md section, exercised on the dry run's JSON
+        assert all(f"| {b}×{m}×{n} |" in text for b, m, n in bench.DRY_SHAPES) and "Targets:" in text
+        assert 'AdamW(impl="fused") repair / off' in text
+        with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
+            bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
+        assert not (tmp_path / "R.md").exists()
         assert set(data["targets"]["met"]) == set(bench.TARGETS)
 else:
     def test_interpreter_suite():
