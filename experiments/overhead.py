@@ -1,7 +1,7 @@
 """``python -m experiments overhead`` — what ``resolution="repair"`` costs on clean steps (issue 3).
 
 For every optimizer (AdamW foreach, compiled and fused — the last also without the spike guard —, SFAdamW
-foreach and fused, SFNorMuon foreach, compiled and fused, FullFusion, Muon) two arms that differ
+foreach and fused, SFNorMuon foreach, compiled and fused, FullFusion, Muon foreach and fused) two arms that differ
 only in the policy, "repair" and "off", run side by side in interleaved rounds (warm-up first, medians):
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
@@ -51,6 +51,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "SFNorMuon (fused)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
     "FullFusion": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol),
     "Muon": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol),
+    "Muon (fused)": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
 }
 POLICIES = ("repair", "off")
 

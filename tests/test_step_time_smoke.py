@@ -51,7 +51,7 @@ def test_overhead_quick(tmp_path):
     data = _run("overhead", tmp_path)
     expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=None)",
                 "SFAdamW", "SFAdamW (fused)", "SFNorMuon", "SFNorMuon (compiled)", "SFNorMuon (fused)",
-                "FullFusion", "Muon"]
+                "FullFusion", "Muon", "Muon (fused)"]
     assert [r["optimizer"] for r in data["rows"]] == expected
     for r in data["rows"]:
         for part in ("step", "train_step"):
