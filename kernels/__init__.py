@@ -17,9 +17,9 @@ import functools
 import importlib
 
 __all__ = ["available", "ns5_iterate", "ns5_iterate_fp16_safe", "gram", "poly", "axpb", "fused_adamw_",
-           "momentum_update_", "scalar_step_", "ns5_iterate_reference", "ns5_iterate_fp16_safe_reference", "gram_reference",
-           "poly_reference", "axpb_reference", "fused_adamw_reference_", "momentum_update_reference_",
-           "scalar_step_reference_"]
+           "momentum_update_", "scalar_step_", "ns5_iterate_reference", "ns5_iterate_fp16_safe_reference",
+           "gram_reference", "poly_reference", "axpb_reference", "fused_adamw_reference_",
+           "momentum_update_reference_", "scalar_step_reference_"]
 
 _HOMES = {
     "ns5_iterate": "ns5", "ns5_iterate_fp16_safe": "ns5", "ns5_iterate_reference": "ns5",
