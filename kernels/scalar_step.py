@@ -14,8 +14,10 @@ Launches (no host synchronisation: every decision is read from device memory by 
    A decision that must precede any write needs them — the spike guard the norm, "skip" whether any
    entry is bad, the hold rule whether every entry is. One read of g: 4 of the 32 bytes per fp32 entry.
 2. ``_decide_kernel``, one program per tensor: adds its blocks' partials *in block order* (so the norm,
-   and a triggered guard's scale, do not depend on scheduling), then the guard's scale and EMA, the spike
-   count, and the hold / keep-all flags.
+   and a triggered guard's scale, do not depend on scheduling), then the guard's scale and new EMA, the
+   spike flag, and the hold / keep-all flags — into scratch only: the update kernel commits the EMA and
+   the spike count, so every persistent write happens in the last launch (a launch that fails to compile,
+   say on another Triton version, leaves the optimizer as it was: ``_fused_triton`` then falls back).
 3. ``_update_kernel``: per block, read p, g, m (or z), v once, write them once; detection, the gates and
    the counts in registers, one atomic per count only for a block that has something to count (a clean
    step issues none).
@@ -127,9 +129,11 @@ def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, A
 
 
 @triton.jit
-def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DENSE, SCALE_OUT, FLAGS_OUT, factor, beta,
+def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, factor, beta,
                    POLICY: tl.constexpr, GUARD: tl.constexpr, RBLOCK: tl.constexpr):
-    """Per tensor: the spike guard (functional/spike.py::spike_scale) and the hold / keep-all flags."""
+    """Per tensor: the spike guard (functional/spike.py::spike_scale) and the hold / keep-all flags, into
+    DEC (scale, new EMA) and FLAGS_OUT (bit 0 hold, 1 keep all, 2 spike). Writes nothing persistent: the
+    update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing."""
     t = tl.program_id(0)
     b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
     acc = tl.zeros((RBLOCK,), dtype=tl.float32)
@@ -141,6 +145,8 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DENSE, SCALE_OUT, FL
     nbad = tl.sum(bad, axis=0)
     sel = tl.load(SEL + t)
     scale = 1.0
+    new_ema = 0.0
+    trig = nbad < 0  # False
     if GUARD:
         norm = tl.sqrt_rn(tl.sum(acc, axis=0))
         ema = tl.load(EMA + sel)
@@ -151,17 +157,15 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DENSE, SCALE_OUT, FL
         scale = tl.where(trig, tl.div_rn(cap, norm), 1.0)
         observed = tl.where(trig, cap, norm)
         new_ema = tl.where(fin, tl.where(seeded, ema * beta + (1.0 - beta) * observed, norm), ema)
-        tl.store(EMA + sel, new_ema)
-        row = DENSE + sel * _ROW
-        tl.store(row + _SPIKE, tl.load(row + _SPIKE) + trig.to(tl.int64))
     hold = nbad < 0  # False
     keep_all = nbad < 0
     if POLICY == 1:  # a persistent whole-tensor loss: every entry bad, and an event within the window
         hold = (tl.load(RECENT + sel) != 0) & (nbad.to(tl.int64) == tl.load(NUMEL + t))
     if POLICY == 2:
         keep_all = nbad > 0
-    tl.store(SCALE_OUT + t, scale)
-    tl.store(FLAGS_OUT + t, hold.to(tl.int32) + 2 * keep_all.to(tl.int32))
+    tl.store(DEC + 2 * t, scale)
+    tl.store(DEC + 2 * t + 1, new_ema)
+    tl.store(FLAGS_OUT + t, hold.to(tl.int32) + 2 * keep_all.to(tl.int32) + 4 * trig.to(tl.int32))
 
 
 @triton.jit
@@ -233,11 +237,12 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
 
 
 @triton.jit
-def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DEC_SCALE, DEC_FLAGS, DENSE,
-                   TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
-                   ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DEC, DEC_FLAGS, EMA, DENSE,
+                   TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, GUARD: tl.constexpr,
+                   DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
     """One block of one tensor. GATE: a Resolution exists (policy "repair" or "skip"); then
-    SCALE/SEL/DEC_*/DENSE are real, otherwise never dereferenced."""
+    SCALE/SEL/DEC*/DENSE (and EMA with GUARD) are real, otherwise never dereferenced. A tensor's first
+    block also commits the decide kernel's spike-guard EMA and spike count."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     p_ptr = _column(ADDR, t, 0, TY, start, ALIGNED)
     g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
@@ -251,8 +256,13 @@ def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, 
     if GATE:
         sel = tl.load(SEL + t)
         lr = lr * tl.load(SCALE + sel)
-        s = tl.load(DEC_SCALE + t)
+        s = tl.load(DEC + 2 * t)
         flags = tl.load(DEC_FLAGS + t)
+        if GUARD:
+            if start == 0:
+                tl.store(EMA + sel, tl.load(DEC + 2 * t + 1))
+                spike_row = DENSE + sel * _ROW
+                tl.store(spike_row + _SPIKE, tl.load(spike_row + _SPIKE) + ((flags >> 2) & 1).to(tl.int64))
     hold = (flags & 1) != 0
     keep_all = (flags & 2) != 0
     idx = tl.arange(0, BLOCK)
@@ -321,26 +331,25 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
     ty = tl_dtype(params[0].dtype)
     aligned = bool((addr_host % 16 == 0).all())
     with on_device(params[0]):
-        dec_scale = dec_flags = dense = scale = None
+        dec = dec_flags = dense = scale = ema = None
         if res is not None:
             scale, recent, ema, dense = res
             ss = torch.empty(nblocks, dtype=torch.float32, device=device)
             bad = torch.empty(nblocks, dtype=torch.int32, device=device)
             _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, TY=ty, ALIGNED=aligned,
                                       BLOCK=block, num_warps=warps)
-            dec_scale = torch.empty(n, dtype=torch.float32, device=device)
+            dec = torch.empty(n, 2, dtype=torch.float32, device=device)
             dec_flags = torch.empty(n, dtype=torch.int32, device=device)
             rec = recent if recent is not None else dec_flags  # never read unless policy is "repair"
-            _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, rec, dense, dec_scale, dec_flags,
+            _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, rec, dec, dec_flags,
                                  float(factor or 0.0), SPIKE_BETA,
                                  POLICY=code, GUARD=factor is not None, RBLOCK=_RBLOCK, num_warps=1)
         dummy = bcs  # never dereferenced when GATE is off
         _update_kernel[(nblocks,)](
-            addr, numel, first, owner, bcs, hp, gamma, dummy if scale is None else scale,
-            dummy if sel is None else sel, dummy if dec_scale is None else dec_scale,
-            dummy if dec_flags is None else dec_flags, dummy if dense is None else dense,
-            TY=ty, SF=sf, GATE=res is not None, DECAY_Z=decay_z, ALIGNED=aligned, EMULATE=interpreting(),
-            BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+            addr, numel, first, owner, bcs, hp, gamma, *(dummy if x is None else x
+                                                          for x in (scale, sel, dec, dec_flags, ema, dense)),
+            TY=ty, SF=sf, GATE=res is not None, GUARD=res is not None and factor is not None, DECAY_Z=decay_z,
+            ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, num_warps=warps, enable_fp_fusion=False)
 
 
 def scalar_step_reference_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str,

@@ -179,15 +179,16 @@ def test_scalar_step_kernels(policy, param):
         for guard in (False, True):
             _binary_ok(compile_for_hopper(
                 _decide_kernel, dict(SS="*fp32", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32",
-                                     RECENT="*i1" if policy == 1 else "*i32", DENSE="*i64", SCALE_OUT="*fp32",
-                                     FLAGS_OUT="*i32", factor="fp32", beta="fp32"),
+                                     RECENT="*i1" if policy == 1 else "*i32", DEC="*fp32", FLAGS_OUT="*i32",
+                                     factor="fp32", beta="fp32"),
                 dict(POLICY=policy, GUARD=guard, RBLOCK=1024), num_warps=1))
-    update_types = dict(table, BC="*fp32", HP="*fp32", GAMMA="*fp32", SCALE="*fp32", SEL="*i64",
-                        DEC_SCALE="*fp32", DEC_FLAGS="*i32", DENSE="*i64")
+    update_types = dict(table, BC="*fp32", HP="*fp32", GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DEC="*fp32",
+                        DEC_FLAGS="*i32", EMA="*fp32", DENSE="*i64")
     for sf, decay_z in ((False, False), (True, False), (True, True)):
         compiled = compile_for_hopper(_update_kernel, update_types,
-                                      dict(TY=ty, SF=sf, GATE=policy != 0, DECAY_Z=decay_z, ALIGNED=True,
-                                           EMULATE=False, BLOCK=2048), num_warps=8, enable_fp_fusion=False)
+                                      dict(TY=ty, SF=sf, GATE=policy != 0, GUARD=policy != 0 and not decay_z,
+                                           DECAY_Z=decay_z, ALIGNED=True, EMULATE=False, BLOCK=2048),
+                                      num_warps=8, enable_fp_fusion=False)
         _binary_ok(compiled)
         assert ("atom" in compiled.asm["ptx"]) == (policy != 0), "counts: atomics exactly when gating"
         assert "fma.rn.f32" not in compiled.asm["ptx"], "no contraction: clean repair must equal off"

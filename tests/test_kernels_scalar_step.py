@@ -14,6 +14,7 @@ Pinned down:
   ``test_fused.py`` (parameters, state, the Resolution tensors, the events), and a clean "repair" step
   bit-identical to "off" — with a fallback to ``impl="compiled"`` made to fail the test;
 * views one entry into a buffer (unaligned addresses) take the scalar-access path correctly;
+* a launch that fails (a compile error) leaves nothing half-done and falls back to ``impl="compiled"``;
 * GPU only: no host synchronisation in the step (``torch.cuda.set_sync_debug_mode("error")``).
 """
 from __future__ import annotations
@@ -155,6 +156,32 @@ def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
     assert event_tuples(got_opt) == event_tuples(ref_opt)
 
 
+def case_launch_failure_falls_back(device, monkeypatch):
+    """A kernel that fails to launch (a compile error on another Triton version) must leave nothing
+    half-done: one warning, the step counts put back, and the step — and every later one — runs
+    impl="compiled", so the run matches impl="loop" as if Triton had never been tried."""
+    from nonans_optim.kernels import scalar_step as k
+    from nonans_optim.optimizers import _fused_triton
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("simulated compile failure")
+            return launch
+
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(_fused_triton, "_FAILED", [])
+    monkeypatch.setattr(k, "_update_kernel", Broken())  # after stats and decide have run
+    ref, ref_opt = _run_optimizer(no.AdamW, "loop", "repair", device)
+    with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
+        got, got_opt = _run_optimizer(no.AdamW, "fused", "repair", device)
+    assert sum("Triton kernels failed" in str(w.message) for w in record) == 1
+    assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+    ema = [o.state["nonans"]["resolution"]["grad_norm_ema"] for o in (got_opt, ref_opt)]
+    torch.testing.assert_close(*ema, rtol=1e-5, atol=0)  # the failed launch did not move the guard's EMA
+
+
 def case_clean_repair_is_off(device, cls, monkeypatch):
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     runs = [_run_optimizer(cls, "fused", policy, device, clean=True)[0] for policy in ("repair", "off")]
@@ -188,13 +215,18 @@ def _define(device, marks=()):
     def test_clean_repair_is_off(cls, monkeypatch):
         case_clean_repair_is_off(device, cls, monkeypatch)
 
-    return test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off
+    @mark
+    def test_launch_failure_falls_back(monkeypatch):
+        case_launch_failure_falls_back(device, monkeypatch)
+
+    return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
+            test_launch_failure_falls_back)
 
 
 if INTERPRETED:
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-    (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop,
-     test_clean_repair_is_off) = _define("cpu")
+    (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
+     test_launch_failure_falls_back) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -222,7 +254,7 @@ else:
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
-     test_gpu_clean_repair_is_off) = _define("cuda", marks=gpu)
+     test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -10,12 +10,15 @@ Which backend runs (``NONANS_FUSED_BACKEND``, read at each step):
 * ``"native"``: the C loop only; CUDA groups then run ``impl="compiled"``.
 
 A group the kernels cannot take (mixed dtypes, a strided gradient, triton missing) runs ``impl="compiled"``,
-whose semantics are the same. Host work per step: one small host→device copy of the tensors' addresses
+whose semantics are the same. So does every group after a launch failed (say, a kernel that does not compile
+on the installed Triton): the kernels write nothing persistent before their last launch, the step counts
+are put back, one warning names the error, and the step runs ``impl="compiled"``. Host work per step: one small host→device copy of the tensors' addresses
 (gradients are new tensors after every backward) and of the bias corrections; nothing is read back.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ from ._compiled import _host_scalars, host_steps, resolution_args
 __all__ = ["backend", "triton_scalar_update"]
 
 _BACKENDS = ("auto", "native", "triton")
+_FAILED: list[str] = []  # the first launch failure of this process, if any
 
 
 def backend(device: torch.device) -> str:
@@ -43,7 +47,7 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
                          gamma: torch.Tensor, c: float) -> bool:
     """The step of ``scalar_update(..., impl="loop")`` on the Triton kernels; False (nothing done) when they
     cannot take this group."""
-    if not kernels.available():
+    if _FAILED or not kernels.available():
         return False
     from ..kernels import scalar_step as k  # imports triton: only once a fused GPU step needs it
 
@@ -58,8 +62,15 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     sel, res, factor = resolution_args(ctx, indices, device)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     nones = [None] * len(params)
-    k.scalar_step_(params, grads, nones if sf else seconds, vs, seconds if sf else nones, gamma.float(), res,
-                   sel, bcs, hp, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
-                   factor=factor)
+    try:
+        k.scalar_step_(params, grads, nones if sf else seconds, vs, seconds if sf else nones, gamma.float(), res,
+                       sel, bcs, hp, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
+                       factor=factor)
+    except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
+        torch._foreach_add_([st["step"] for st in states], -1.0)
+        _FAILED.append(f"{type(err).__name__}: {err}")
+        warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); using impl='compiled'",
+                      RuntimeWarning, stacklevel=6)
+        return False
     mark_written(params, seconds, vs, resolution_written(ctx))
     return True
