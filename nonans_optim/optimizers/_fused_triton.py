@@ -12,8 +12,10 @@ Which backend runs (``NONANS_FUSED_BACKEND``, read at each step):
 A group the kernels cannot take (mixed dtypes, a strided gradient, triton missing) runs ``impl="compiled"``,
 whose semantics are the same. So does every group after a launch failed (say, a kernel that does not compile
 on the installed Triton): the kernels write nothing persistent before their last launch, the step counts
-are put back, one warning names the error, and the step runs ``impl="compiled"``. Host work per step: one small host→device copy of the tensors' addresses
-(gradients are new tensors after every backward) and of the bias corrections; nothing is read back.
+are put back, one warning names the error, and the step runs ``impl="compiled"``.
+
+Host work per step: one small host→device copy of the tensors' addresses (gradients are new tensors after
+every backward) and of the bias corrections; nothing is read back.
 """
 from __future__ import annotations
 
