@@ -104,7 +104,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                      ptr, i32]
     pre.restype = post.restype = ctypes.c_int
     r = lib.nonans_record_step
-    i64, f32 = ctypes.c_int64, ctypes.c_float
     r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 9
     r.restype = None
     return lib

@@ -4,11 +4,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..resolution import STAGE_INDEX, STAGES, inspect
 
-__all__ = ["record", "dense_counts", "recent_flags", "take_snapshot", "hold_flag", "commit_update",
-           "restore_if_bad"]
+__all__ = ["record", "dense_counts", "recent_flags", "mark_written", "resolution_written", "take_snapshot",
+           "hold_flag", "commit_update", "restore_if_bad"]
 
 
 def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
@@ -34,6 +35,21 @@ def recent_flags(ctx: dict[str, Any]) -> torch.Tensor:
     if ctx["recent"] is None:
         ctx["recent"] = ctx["resolution"].recent()
     return ctx["recent"]
+
+
+def mark_written(*groups: list[torch.Tensor]) -> None:
+    """Bump the autograd version counter of every tensor a native or Triton kernel wrote through a raw
+    pointer: torch's own in-place ops do, and without it a graph that saved a parameter before ``step()``
+    would silently backprop through the new values instead of raising "modified by an inplace operation"
+    (and version-keyed caches would go stale)."""
+    increment_version([t for group in groups for t in group])
+
+
+def resolution_written(ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """The Resolution tensors the fused kernels update in place (none under "off")."""
+    if ctx["resolution"] is None:
+        return []
+    return [ctx["resolution"].tensors["grad_norm_ema"], ctx["dense"]]
 
 
 def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:

@@ -53,7 +53,7 @@ from ..functional.spike import spike_scale
 from ..resolution import STAGES, finite_mask  # |x| < inf: one vectorised compare once compiled
 
 __all__ = ["compiled_scalar_update", "compile_available", "compiled", "count", "nonfinite_counts",
-           "guard_spikes", "stage_rows"]
+           "guard_spikes", "stage_rows", "group_kernel_args"]
 
 _BROKEN: list[str] = []  # the first compile failure of this process, if any
 
@@ -243,6 +243,23 @@ def resolution_args(ctx: dict[str, Any], indices: list[int], device: torch.devic
     return sel, (t["scale"], recent_flags(ctx), t["grad_norm_ema"], dense_counts(ctx, device)), ctx["spike_factor"]
 
 
+def group_kernel_args(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                      indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
+                      gamma: torch.Tensor, c: float) -> tuple:
+    """The positional arguments of :func:`_group_kernel` — and of ``kernels.scalar_step.scalar_step_``,
+    which shares its signature — for one step: (params, grads, ms, vs, zs, gamma, res, sel, bcs, hp), with
+    ``ms`` or ``zs`` (schedule-free) the second state tensor and the other list Nones. Advances every
+    ``state['step']`` (the bias corrections need the new count); a caller whose kernel then fails puts
+    them back."""
+    device = params[0].device
+    hp, bcs = _host_scalars(group, host_steps(states), c, device, sf)
+    ms = [None if sf else st["exp_avg"] for st in states]
+    zs = [st["z"] if sf else None for st in states]
+    vs = [st["exp_avg_sq"] for st in states]
+    sel, res, _ = resolution_args(ctx, indices, device)
+    return params, grads, ms, vs, zs, gamma, res, sel, bcs, hp
+
+
 def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                            indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                            gamma: torch.Tensor, c: float) -> None:
@@ -258,15 +275,10 @@ def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     if not compile_available():
         return eager(grads)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
-    steps = host_steps(states)
-    hp, bcs = _host_scalars(group, steps, c, params[0].device, sf)
-    ms = [None if sf else st["exp_avg"] for st in states]
-    zs = [st["z"] if sf else None for st in states]
-    vs = [st["exp_avg_sq"] for st in states]
-    sel, res, factor = resolution_args(ctx, indices, params[0].device)
+    args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     try:
-        _compiled_kernel(sf, policy, factor, params[0].dtype)(params, grads, ms, vs, zs, gamma, res, sel, bcs,
-                                                              hp, decay_z=sf and group["weight_decay"] != 0)
+        _compiled_kernel(sf, policy, ctx["spike_factor"], params[0].dtype)(
+            *args, decay_z=sf and group["weight_decay"] != 0)
     except Exception as err:  # noqa: BLE001 — any compile failure: report once, then run eager
         report_failure(err)
         torch._foreach_add_([st["step"] for st in states], -1.0)

@@ -22,15 +22,14 @@ import warnings
 from typing import Any
 
 import torch
-from torch.autograd.graph import increment_version
 
 from .. import native
 from ..functional.spike import SPIKE_BETA
-from ._common import dense_counts
+from ._common import dense_counts, mark_written, resolution_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
-__all__ = ["fused_scalar_update", "pointers", "resolution_pointers", "mark_written", "resolution_written"]
+__all__ = ["fused_scalar_update", "pointers", "resolution_pointers"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
@@ -41,20 +40,6 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32):
     (a pointer to anything else — a CUDA address, a strided view — must never reach the C loops)."""
     ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is dtype and t.is_contiguous()]
     return (ctypes.c_void_p * len(ptrs))(*ptrs) if len(ptrs) == len(tensors) else None
-
-
-def mark_written(*groups: list[torch.Tensor]) -> None:
-    """Bump the autograd version counter of every tensor a C loop wrote: torch's own in-place ops do, and
-    without it a graph that saved a parameter before ``step()`` would silently backprop through the new
-    values instead of raising "modified by an inplace operation" (and version-keyed caches would go stale)."""
-    increment_version([t for group in groups for t in group])
-
-
-def resolution_written(ctx: dict[str, Any]) -> list[torch.Tensor]:
-    """The Resolution tensors the C loops update in place (none under "off")."""
-    if ctx["resolution"] is None:
-        return []
-    return [ctx["resolution"].tensors["grad_norm_ema"], ctx["dense"]]
 
 
 def resolution_pointers(ctx: dict[str, Any], indices: list[int]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from ..functional.spike import SPIKE_BETA
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
-from ._fused import mark_written, pointers, resolution_pointers, resolution_written
+from ._common import mark_written, resolution_written
+from ._fused import pointers, resolution_pointers
 
 __all__ = ["fused_spectral_update"]
 

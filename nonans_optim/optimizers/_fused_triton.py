@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ._compiled import _host_scalars, host_steps, resolution_args
+from ._common import mark_written, resolution_written
+from ._compiled import group_kernel_args
 
 __all__ = ["backend", "triton_scalar_update"]
 
@@ -57,17 +58,11 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     vs = [st["exp_avg_sq"] for st in states]
     if not k.supported(params + grads + seconds + vs) or gamma.device != params[0].device:
         return False
-    from ._fused import mark_written, resolution_written  # deferred: _fused routes here
-
-    device = params[0].device
-    hp, bcs = _host_scalars(group, host_steps(states), c, device, sf)
-    sel, res, factor = resolution_args(ctx, indices, device)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
-    nones = [None] * len(params)
+    args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma.float(), c=c)
     try:
-        k.scalar_step_(params, grads, nones if sf else seconds, vs, seconds if sf else nones, gamma.float(), res,
-                       sel, bcs, hp, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
-                       factor=factor)
+        k.scalar_step_(*args, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
+                       factor=ctx["spike_factor"])
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
         torch._foreach_add_([st["step"] for st in states], -1.0)
         _FAILED.append(f"{type(err).__name__}: {err}")
