@@ -125,3 +125,16 @@ def event_tuples(opt) -> list[tuple]:
     """The optimizer's events as comparable tuples."""
     return [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.escalated) for e in opt.events]
 
+
+def assert_resolution_matches(ref_opt, got_opt, *, ema_rtol: float = 1e-5) -> None:
+    """Two runs of the same steps under a resolution policy (an implementation against the loop): every
+    Resolution tensor — counts, events, the event ring, escalation state — is identical, the spike guard's
+    norm EMA agrees within ``ema_rtol`` (a norm summed in another order), and so do the events."""
+    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
+    assert ref_res.keys() == got_res.keys()
+    for key in ref_res:
+        if key != "grad_norm_ema":
+            assert torch.equal(got_res[key], ref_res[key]), key
+    torch.testing.assert_close(got_res["grad_norm_ema"], ref_res["grad_norm_ema"], rtol=ema_rtol, atol=0)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+

@@ -28,8 +28,9 @@ from interpreted import assert_interpreted_suite_passes, marker
 pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
-from nonans_optim.resolution import Resolution  # noqa: E402
-from optim_infos import assert_params_and_state_close, event_tuples  # noqa: E402
+from optim_infos import (assert_params_and_state_close, assert_resolution_matches,  # noqa: E402
+                         event_tuples)
+from test_fused import _run  # noqa: E402  (its fault sequence, on any device)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -119,21 +120,6 @@ def case_unaligned_views(device):
     assert torch.equal(got[3][3], want[3][3])
 
 
-def _run_optimizer(cls, impl, policy, device, *, clean=False):
-    from test_fused import SHAPES, STEPS, _grads
-
-    torch.manual_seed(0)
-    params = [torch.randn(s, device=device, requires_grad=True) for s in SHAPES]
-    opt = cls(params, lr=1e-2, weight_decay=0.1, resolution=policy, impl=impl)
-    gen = torch.Generator().manual_seed(1)
-    for t in range(STEPS):
-        grads = [torch.randn(s, generator=gen) for s in SHAPES] if clean else _grads(t, gen)
-        for p, g in zip(params, grads):
-            p.grad = g.to(device)
-        opt.step()
-    return params, opt
-
-
 def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
     from nonans_optim.optimizers import _fused
 
@@ -142,18 +128,13 @@ def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
 
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
-    ref, ref_opt = _run_optimizer(cls, "loop", policy, device)
-    got, got_opt = _run_optimizer(cls, "fused", policy, device)
+    ref, ref_opt = _run(cls, "loop", policy, device=device)
+    got, got_opt = _run(cls, "fused", policy, device=device)
     assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
     if policy == "off":
         return
-    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
-    for key in Resolution("repair", 1, torch.device("cpu")).tensors:
-        if key != "grad_norm_ema":
-            assert torch.equal(got_res[key], ref_res[key]), key
-    torch.testing.assert_close(got_res["grad_norm_ema"], ref_res["grad_norm_ema"], rtol=1e-5, atol=0)
+    assert_resolution_matches(ref_opt, got_opt)
     assert {"grad", "moment", "spike"} <= {e[2] for e in event_tuples(got_opt)}
-    assert event_tuples(got_opt) == event_tuples(ref_opt)
 
 
 def case_launch_failure_falls_back(device, monkeypatch):
@@ -172,19 +153,17 @@ def case_launch_failure_falls_back(device, monkeypatch):
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     monkeypatch.setattr(_fused_triton, "_FAILED", [])
     monkeypatch.setattr(k, "_update_kernel", Broken())  # after stats and decide have run
-    ref, ref_opt = _run_optimizer(no.AdamW, "loop", "repair", device)
+    ref, ref_opt = _run(no.AdamW, "loop", "repair", device=device)
     with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
-        got, got_opt = _run_optimizer(no.AdamW, "fused", "repair", device)
+        got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
     assert sum("Triton kernels failed" in str(w.message) for w in record) == 1
     assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
-    assert event_tuples(got_opt) == event_tuples(ref_opt)
-    ema = [o.state["nonans"]["resolution"]["grad_norm_ema"] for o in (got_opt, ref_opt)]
-    torch.testing.assert_close(*ema, rtol=1e-5, atol=0)  # the failed launch did not move the guard's EMA
+    assert_resolution_matches(ref_opt, got_opt)  # the failed launch did not move the guard's EMA or counts
 
 
 def case_clean_repair_is_off(device, cls, monkeypatch):
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    runs = [_run_optimizer(cls, "fused", policy, device, clean=True)[0] for policy in ("repair", "off")]
+    runs = [_run(cls, "fused", policy, device=device, clean=True)[0] for policy in ("repair", "off")]
     for p, q in zip(*runs):
         assert torch.equal(p, q)
 
@@ -247,8 +226,8 @@ else:
         """Forcing Triton where it cannot run (CPU tensors, no interpreter) takes impl="compiled", with the
         same results — never a Triton launch on host pointers."""
         monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-        got = _run_optimizer(no.AdamW, "fused", "repair", "cpu")[0]
-        want = _run_optimizer(no.AdamW, "compiled", "repair", "cpu")[0]
+        got = _run(no.AdamW, "fused", "repair")[0]
+        want = _run(no.AdamW, "compiled", "repair")[0]
         for p, q in zip(got, want):
             assert torch.equal(p, q)
 
