@@ -87,6 +87,21 @@ def _paired(times: dict[str, list[float]], name: str) -> dict[str, float]:
             "overhead_ms": 1e3 * (med_r - med_o)}
 
 
+def _timed(fn: Callable[[], None], device) -> float:
+    """Seconds of one call of ``fn``, the device synchronised on both sides."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def _inner(args, seconds: float) -> int:
+    """Steps per timed sample for a step of ``seconds``: at least ``args.inner``, and enough for about
+    ``args.sample_ms``."""
+    return max(args.inner, math.ceil(args.sample_ms * 1e-3 / max(seconds, 1e-9)))
+
+
 def _interleave_pairs(arms: dict[str, Callable], args, device) -> tuple[dict[str, list[float]], dict[str, int]]:
     """interleaved() with each optimizer's repair/off arms kept adjacent (the rotation moves whole pairs,
     and which of the two runs first alternates with the round). Each sample times ``inner`` calls back to
@@ -100,12 +115,9 @@ def _interleave_pairs(arms: dict[str, Callable], args, device) -> tuple[dict[str
         slowest = 0.0
         for pol in POLICIES:
             for _ in range(args.warmup):
-                sync(device)
-                t0 = time.perf_counter()
-                arms[f"{name} | {pol}"]()
-                sync(device)
-            slowest = max(slowest, time.perf_counter() - t0)
-        inner[name] = max(args.inner, math.ceil(args.sample_ms * 1e-3 / max(slowest, 1e-9)))
+                last = _timed(arms[f"{name} | {pol}"], device)
+            slowest = max(slowest, last)
+        inner[name] = _inner(args, slowest)
     for r in range(args.rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
@@ -136,11 +148,7 @@ def _size_sweep(args, device) -> list[dict[str, Any]]:
                 "repair_no_guard": _step_arm(base, grads, OPTIMIZERS[SWEEP_ARMS[1]], "repair")}
         for _ in range(args.warmup):
             arms["off"]()
-        sync(device)
-        t0 = time.perf_counter()
-        arms["off"]()
-        sync(device)
-        inner = max(args.inner, math.ceil(args.sample_ms * 1e-3 / max(time.perf_counter() - t0, 1e-9)))
+        inner = _inner(args, _timed(arms["off"], device))
         times = interleaved(arms, rounds=2 * args.rounds, warmup=args.warmup, inner=inner, device=device)
         off = times["off"]
         rows.append({"entries": n, "state_mib": 4 * n * 4 / 2 ** 20, "off_ms": 1e3 * statistics.median(off),
