@@ -118,8 +118,8 @@ def render(data: dict[str, Any]) -> str:
              f"{cfg['threads']} CPU thread(s), wall {fmt(data.get('wall_s'), 3)} s. AdamW (lr 0.003, library "
              f"defaults otherwise) on the tasks, conditions, spike steps and pairing of `python -m experiments "
              f"spikes`: {cfg['steps']} steps, {cfg['seeds']} seeds. Element-wise arms clip gᵢ to "
-             f"sign(gᵢ)·sqrt(θ·v̂ᵢ) where gᵢ² > θ·v̂ᵢ (v̂ = bias-corrected `exp_avg_sq` of the previous step), from step "
-             f"{cfg['warmup']} on. Cell: mean over seeds of the paired final val-loss gap vs the same seed's clean "
+             "sign(gᵢ)·sqrt(θ·v̂ᵢ) where gᵢ² > θ·v̂ᵢ (v̂ = bias-corrected `exp_avg_sq` of the previous step), "
+             f"from step {cfg['warmup']} on. Cell: mean over seeds of the paired final val-loss gap vs the same seed's clean "
              f"unguarded run (✓ = within {100 * cfg['tolerance']:.0f}%) · trigger count per run."]
     for task in cfg["tasks"]:
         table = []

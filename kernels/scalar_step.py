@@ -24,10 +24,11 @@ Launches (no host synchronisation: every decision is read from device memory by 
 
 Tensors are reached through a table of their addresses (int64, one row per tensor: p, g, m|z, v), turned
 back into typed pointers in the kernel; all tensors of one launch share one dtype (:func:`supported`; a
-group that mixes dtypes runs ``impl="compiled"``). Math is fp32 whatever the storage dtype, with IEEE ``div_rn``/``sqrt_rn`` as torch uses, and
-the update is compiled without FMA contraction (``enable_fp_fusion=False``, as the C loop uses
-``-ffp-contract=off``): "repair" and "off" are different compiled variants of it, and a clean "repair" step
-must equal "off" bit for bit, which a contraction chosen differently in each variant would break.
+group that mixes dtypes runs ``impl="compiled"``). Math is fp32 whatever the storage dtype, with IEEE
+``div_rn``/``sqrt_rn`` as torch uses, and the update is compiled without FMA contraction
+(``enable_fp_fusion=False``, as the C loop uses ``-ffp-contract=off``): "repair" and "off" are different
+compiled variants of it, and a clean "repair" step must equal "off" bit for bit, which a contraction chosen
+differently in each variant would break.
 """
 from __future__ import annotations
 

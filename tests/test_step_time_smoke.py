@@ -58,7 +58,8 @@ def test_overhead_quick(tmp_path):
             assert all(_finite_positive(r[part][k]) for k in ("repair_ms", "off_ms", "ratio_of_medians",
                                                                "median_paired_ratio")), r
     for kind in ("step", "train_step"):
-        assert len(data["raw_ms"][kind]) == 2 * len(expected) and all(len(v) == 2 for v in data["raw_ms"][kind].values())
+        raw = data["raw_ms"][kind]
+        assert len(raw) == 2 * len(expected) and all(len(v) == 2 for v in raw.values())
     assert [r["entries"] for r in data["size_sweep"]] == [1 << 10, 1 << 12]
     for r in data["size_sweep"]:
         assert all(_finite_positive(r[k])

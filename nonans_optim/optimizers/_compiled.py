@@ -27,10 +27,10 @@ m, v and writes p, m, v. Without the spike guard that loop also accumulates the 
 inductor (torch 2.13) materialises the new parameter and counts it in a third pass — not fused whatever
 the count is taken on (tried: the new value, the unheld value, the direction), so the step moves about
 1.4x the bytes of "off". That, and per-tensor loops for the small tensors, is why "repair" is still
-several times "off" on a many-tensor model (RESULTS.md, "overhead"). The moment-stage count here is "finite g whose (1-β₂)·g·g term is non-finite" — the same
-expression v adds, so it equals the eager "new v non-finite with a finite g" unless v itself was already
-within a rounding of fp32's maximum (counting from the new v would split the loop in two: it reads the
-buffer the loop writes).
+several times "off" on a many-tensor model (RESULTS.md, "overhead"). The moment-stage count here is
+"finite g whose (1-β₂)·g·g term is non-finite" — the same expression v adds, so it equals the eager "new v
+non-finite with a finite g" unless v itself was already within a rounding of fp32's maximum (counting from
+the new v would split the loop in two: it reads the buffer the loop writes).
 
 Semantics are those of ``impl="loop"`` (tests/test_compiled.py checks parameters, state and event counts):
 "repair" gates per entry, "skip" computes the same thing and then keeps the old parameter and state of a
