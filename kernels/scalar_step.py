@@ -200,8 +200,9 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         if GATE:
             g_in = tl.where(ok, gs, so)
         mn = _lerp(so, g_in, one_m_b1)
+    v_ok = _finite(vn)  # before the gate: a bad g makes it False too (the moment stage subtracts those)
     if GATE:
-        vn = tl.where(_finite(vn), vn, vo)
+        vn = tl.where(v_ok, vn, vo)
     denom = tl.sqrt_rn(tl.div_rn(vn, bc2)) + eps
     if SF:
         d = tl.div_rn(mn, denom)
@@ -218,7 +219,7 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
     if GATE:
         gn = _count(g != g, mask, MASKED)
         gb = _count(~ok, mask, MASKED)
-        ov = _count(ok & ~_finite(g2), mask, MASKED)
+        ov = _count(ok & ~v_ok, mask, MASKED)  # new v overflowed with a finite g (the loop's moment stage)
         un = _count(y != y, mask, MASKED)
         ub = _count(~_finite(y), mask, MASKED)
         y = tl.where(_finite(y) & ~hold, y, po)

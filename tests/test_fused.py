@@ -49,7 +49,7 @@ def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", cle
     parameters on ``device`` (tests/test_kernels_scalar_step.py runs the Triton path through it)."""
     torch.manual_seed(0)
     params = [torch.randn(s, device=device, requires_grad=True) for s in SHAPES]
-    opt = cls(params, lr=1e-2, weight_decay=0.1, resolution=policy, impl=impl, **kw)
+    opt = cls(params, resolution=policy, impl=impl, **{"lr": 1e-2, "weight_decay": 0.1, **kw})
     gen = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -185,3 +185,27 @@ def test_writes_are_visible_to_autograd(make):
     assert all(t._version > 0 for t in opt.state[p].values() if isinstance(t, torch.Tensor))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("impl", ["fused", "compiled"])
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_second_moment_overflow_counts_as_the_loop_does(cls, impl):
+    """The moment stage counts entries whose new v is not finite although g was — also where g² is finite
+    and only β₂·v + (1-β₂)·g² overflows (the loop's definition, functional/adam.py::_gate_second_moment),
+    which a count of non-finite g² alone would miss."""
+    runs = []
+    for which in ("loop", impl):
+        torch.manual_seed(0)
+        params = [torch.randn(40, requires_grad=True)]
+        opt = cls(params, lr=1e-2, impl=which, spike_factor=None)
+        params[0].grad = torch.randn(40)
+        opt.step()
+        opt.state[params[0]]["exp_avg_sq"][:3] = 3.3e38
+        params[0].grad = torch.randn(40)
+        params[0].grad[:2] = 3.2e20  # (1-β₂)·g² = 1e38: finite; the sum with β₂·3.3e38 is not
+        opt.step()
+        runs.append((params, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    assert ("moment", 0, 2) in {(e.stage, e.nan_count, e.inf_count) for e in got_opt.events}
+    assert_resolution_matches(ref_opt, got_opt)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)

@@ -15,6 +15,9 @@ one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default ``~/.cache
 the source, the flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
 run on another CPU sharing the home directory).
 
+Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in ``scalar_avx512.h``, the same
+(SF-)AdamW loop in intrinsics with cheaper event counting; ``NONANS_NATIVE_SIMD=portable`` leaves it out.
+
 ``NONANS_NATIVE=0`` disables it. When it cannot be built, :func:`library` returns None, :func:`failure`
 says why, and ``impl="fused"`` warns once and runs ``impl="compiled"``.
 """
@@ -33,7 +36,8 @@ from pathlib import Path
 __all__ = ["library", "failure", "record_step", "SOURCES"]
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "common.h", _DIR / "scalar_step.c", _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
+SOURCES = (_DIR / "common.h", _DIR / "scalar_avx512.h", _DIR / "scalar_step.c", _DIR / "spectral_pre.c",
+           _DIR / "spectral_post.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 # Tried in order: the first that compiles wins.
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
@@ -75,6 +79,15 @@ def _cache_dirs() -> list[Path]:
     return [first, Path(tempfile.gettempdir()) / f"nonans_optim-{uid}"]
 
 
+def _simd_flags() -> list[str]:
+    """``NONANS_NATIVE_SIMD=portable`` builds the portable loops only (scalar_avx512.h compiled out): the
+    reference that tests/test_native_simd.py compares the AVX-512 build with, bit for bit."""
+    mode = os.environ.get("NONANS_NATIVE_SIMD", "auto")
+    if mode not in ("auto", "portable"):
+        raise ValueError(f"NONANS_NATIVE_SIMD must be 'auto' or 'portable', got {mode!r}")
+    return ["-DNONANS_PORTABLE"] if mode == "portable" else []
+
+
 def _build(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile to a temporary file and move it into place (atomic: concurrent processes may race)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +116,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     post.argtypes = [i64, pp, i32, pp, pp, pp, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr,
                      ptr, i32]
     pre.restype = post.restype = ctypes.c_int
+    lib.nonans_simd_width.argtypes, lib.nonans_simd_width.restype = [], ctypes.c_int
     r = lib.nonans_record_step
     r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 9
     r.restype = None
@@ -151,7 +165,8 @@ def library() -> ctypes.CDLL | None:
         return None
     sources = [s.read_text() for s in SOURCES]
     errors = []
-    for flags in _VARIANTS:
+    for variant in _VARIANTS:
+        flags = [*variant, *_simd_flags()]
         key = hashlib.sha256("\0".join([*sources, cc, version, _cpu_flags(), platform.machine(), *_BASE_FLAGS,
                                         *flags]).encode()).hexdigest()[:20]
         for folder in _cache_dirs():

@@ -27,23 +27,59 @@ typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
 } hyper_t;
 
+/* The sum of 16 lanes, halving: lanes[i] + lanes[i + 8], then + 4, + 2, + 1 (both builds' order). */
+static inline float sum16_(float *lanes) {
+    for (int w = 8; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) lanes[i] += lanes[i + w];
+    return lanes[0];
+}
+
+/* Pass 1's fp32 sum of squares of g[b0, b1) in a fixed order that a vector loop reproduces: 64 lanes
+ * (entry j + l of each full group of 64 into lane l; the rest, in order, into lanes 0–15), folded as
+ * lanes l, l+16, l+32, l+48 → (l + (l+16)) + ((l+32) + (l+48)), then sum16_. Independent lanes, not one
+ * running sum: one accumulator chain made the pass latency-bound. */
+static inline float sumsq_portable(const float *restrict g, int64_t b0, int64_t b1) {
+    float acc[64] = {0.0f};
+    int64_t j = b0;
+    for (; j + 64 <= b1; j += 64)
+#pragma omp simd
+        for (int l = 0; l < 64; l++) acc[l] += g[j + l] * g[j + l];
+    for (int64_t t = 0; j + t < b1; t++) acc[t % 16] += g[j + t] * g[j + t];
+    float lanes[16];
+    for (int l = 0; l < 16; l++) lanes[l] = (acc[l] + acc[l + 16]) + (acc[l + 32] + acc[l + 48]);
+    return sum16_(lanes);
+}
+
+#include "scalar_avx512.h"
+
+/* 512 when the AVX-512 form of the loops below was compiled in (scalar_avx512.h), else 0. */
+int nonans_simd_width(void) {
+#ifdef NONANS_AVX512
+    return 512;
+#else
+    return 0;
+#endif
+}
+
 /* One block [b0, b1) of pass 2, adding its five counts to c. sf/gate/clean/decay_z are compile-time
  * constants at every call site, so the compiler emits one straight vector loop per variant.
  *
  * Counting is most of the resolution's arithmetic once the data is cache-resident (python -m experiments
  * overhead, "by tensor size"), so the loop keeps three counters, not five: a non-finite g always gives a
- * non-finite g² term (NaN² is NaN, ±Inf² is Inf), so one count of non-finite g² terms covers both the
- * bad gradient entries and the finite ones whose square overflowed. Only a block where it is nonzero
- * counts its NaN and non-finite gradient entries again, from g, which the loop never writes — exact, and
- * rare. clean: pass 1 found no non-finite g in this block (and the tensor is neither held nor kept
- * whole), so the gradient gate selects nothing and the recount is not needed. */
+ * non-finite new v (NaN² is NaN, ±Inf² is Inf), so one count of non-finite new v covers both the bad
+ * gradient entries and the finite ones whose square overflowed (the moment stage, counted as the loop's
+ * _gate_second_moment counts it). Only a block where it is nonzero counts its NaN and non-finite gradient
+ * entries again, from g, which the loop never writes — exact, and rare. clean: pass 1 found no non-finite
+ * g in this block (and the tensor is neither held nor kept whole), so the gradient gate selects nothing
+ * and the recount is not needed. This is the portable form; scalar_avx512.h has the same loop in AVX-512
+ * intrinsics, which the build uses where the CPU has them. */
 static inline __attribute__((always_inline)) void update_block(
         const int sf, const int gate, const int clean, const int decay_z,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
-    int g2bad = 0, un = 0, ub = 0;
-#pragma omp simd reduction(+ : g2bad, un, ub)
+    int vbad = 0, un = 0, ub = 0;
+#pragma omp simd reduction(+ : vbad, un, ub)
     for (int64_t j = b0; j < b1; j++) {
         const float gr = g[j];
         const int ok = clean ? 1 : finitef_(gr);
@@ -58,7 +94,10 @@ static inline __attribute__((always_inline)) void update_block(
             mo = m[j];
             mn = lerpf_(mo, gate ? (ok ? gs : mo) : gs, h.one_m_b1); /* missing: m keeps its value */
         }
-        if (gate) vn = finitef_(vn) ? vn : vo;
+        if (gate) {
+            vbad += !finitef_(vn);
+            vn = finitef_(vn) ? vn : vo;
+        }
         const float denom = sqrtf(vn / bc2) + h.eps;
         float d = sf ? mn / denom : (mn / bc1) / denom;
         const float po = p[j];
@@ -71,7 +110,6 @@ static inline __attribute__((always_inline)) void update_block(
             y = po * wdf - lr * d;
         }
         if (gate) {
-            g2bad += !finitef_(g2);
             un += y != y;
             ub += !finitef_(y);
             y = (finitef_(y) & !hold) ? y : po;
@@ -92,14 +130,14 @@ static inline __attribute__((always_inline)) void update_block(
         if (sf) z[j] = zn; else m[j] = mn;
     }
     int gn = 0, gb = 0;
-    if (!clean && g2bad > 0) {
+    if (!clean && vbad > 0) {
 #pragma omp simd reduction(+ : gn, gb)
         for (int64_t j = b0; j < b1; j++) {
             gn += g[j] != g[j];
             gb += !finitef_(g[j]);
         }
     }
-    c[0] += gn; c[1] += gb; c[2] += g2bad - gb; c[3] += un; c[4] += ub;
+    c[0] += gn; c[1] += gb; c[2] += vbad - gb; c[3] += un; c[4] += ub;
 }
 
 /* Pass 2 over [lo, hi) of one tensor, block by block. bad: pass 1's per-chunk non-finite counts of this
@@ -114,11 +152,17 @@ static inline __attribute__((always_inline)) void update_range(
     int64_t tot[NCOUNT] = {0, 0, 0, 0, 0};
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
         const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
+#ifdef NONANS_AVX512
+#define UPDATE_BLOCK update_block_avx512
+#else
+#define UPDATE_BLOCK update_block
+#endif
         if (gate && bad != NULL && bad[b0 / BLOCK] == 0 && !hold && !keep_all)
-            update_block(sf, gate, 1, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, tot);
+            UPDATE_BLOCK(sf, gate, 1, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, tot);
         else
-            update_block(sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
+            UPDATE_BLOCK(sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
                          keep_all, tot);
+#undef UPDATE_BLOCK
     }
     if (hold) tot[3] = tot[4] = 0; /* a held tensor writes nothing, so it counts no update */
     for (int k = 0; k < NCOUNT; k++) out[k] = tot[k];
@@ -128,15 +172,18 @@ static inline __attribute__((always_inline)) void update_range(
  * accumulator halved it and made the pass compute-bound) and its non-finite count. The chunk sums are
  * added in chunk order afterwards, so the norm — and a triggered spike guard's scale — does not depend
  * on the thread count. An fp32 chunk sum overflows only where the fp32 norms of the other
- * implementations overflow too. */
+ * implementations overflow too. Any NaN or ±Inf entry makes the sum non-finite, so only such a chunk
+ * (rare) is read again to count them. */
 static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double *ss, int64_t *bad) {
-    float part = 0.0f;
+#ifdef NONANS_AVX512
+    const float part = sumsq_avx512(g, b0, b1);
+#else
+    const float part = sumsq_portable(g, b0, b1);
+#endif
     int nbb = 0;
-#pragma omp simd reduction(+ : part, nbb)
-    for (int64_t j = b0; j < b1; j++) {
-        const float x = g[j];
-        part += x * x;
-        nbb += !finitef_(x);
+    if (!finitef_(part)) {
+#pragma omp simd reduction(+ : nbb)
+        for (int64_t j = b0; j < b1; j++) nbb += !finitef_(g[j]);
     }
     *ss = part;
     *bad = nbb;

@@ -116,7 +116,8 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
         g_in = torch.where(g_ok, g, m) if gate else g  # lerp(m, m, w) = m: m keeps its value there
         m_new = torch.lerp(m, g_in, one_m_b1)
     if gate:
-        v_new = torch.where(finite_mask(v_new), v_new, v)
+        v_ok = finite_mask(v_new)
+        v_new = torch.where(v_ok, v_new, v)
     denom = torch.sqrt(v_new / bc2) + eps
     d = m_new / denom if sf else (m_new / bc1) / denom
     if sf:
@@ -131,7 +132,7 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
     out: dict[str, torch.Tensor] = {}
     if gate:
         g_nan, g_bad = nonfinite_counts(g_raw)
-        overflow = count(g_ok & ~finite_mask(g2))  # g² overflowed fp32 with a finite g
+        overflow = count(g_ok & ~v_ok)  # new v overflowed fp32 with a finite g (the loop's moment stage)
         # The update guard as _common._guarded_write: keep the old value where the new one is not finite
         # or the tensor is held (_common.hold_flag: a persistent whole-tensor loss); a held tensor writes
         # nothing, so it counts nothing. Counting the unheld y_new keeps the count in the writing loop.

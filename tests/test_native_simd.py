@@ -1,0 +1,109 @@
+"""The AVX-512 build of the native (SF-)AdamW step (nonans_optim/native/scalar_avx512.h) against the
+portable build (``NONANS_NATIVE_SIMD=portable``): the same arithmetic op for op, so every parameter, state
+buffer and event count must be bit-identical — over test_fused.py's fault sequence (NaN, ±Inf, a g²
+overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
+on and off, one and two threads, both branches of the lerp formula, and updates that overflow to ±Inf and
+NaN inside the step (the update stage's NaN/Inf split). test_fused.py already compares each build with
+impl="loop" within tolerances; this pins down that the fast path changed nothing at all.
+
+Each build runs in its own subprocess (the library is loaded once per process) and saves its results.
+Skipped where the default build has no AVX-512 form (nothing to compare).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nonans_optim import native
+
+HERE = Path(__file__).parent
+
+pytestmark = pytest.mark.skipif(native.library() is None or native.library().nonans_simd_width() != 512,
+                                reason="the native build has no AVX-512 form on this machine")
+
+# (optimizer, policy, threads, extra constructor arguments)
+CASES = [(cls, policy, 2, {}) for cls in ("AdamW", "SFAdamW") for policy in ("repair", "skip", "off")]
+CASES += [("AdamW", "repair", 1, {"spike_factor": None}), ("SFAdamW", "repair", 1, {"spike_factor": None}),
+          ("AdamW", "repair", 2, {"betas": (0.3, 0.99)}),  # 1-β₁ ≥ 0.5: lerp's other formula
+          ("SFAdamW", "repair", 2, {"weight_decay": 0.0})]  # no decay of z
+
+_DUMP = r"""
+import sys, torch
+import nonans_optim as no
+from test_fused import _run
+
+def overflow_run(cls, policy):
+    # Parameters near the fp32 limit and a huge step size: the new y (and z) overflow to ±Inf, and
+    # Inf - Inf makes NaN, inside the step with finite gradients — the update stage's NaN/Inf split.
+    torch.manual_seed(3)
+    params = [torch.randn(1000, requires_grad=True), torch.randn(37, requires_grad=True)]
+    with torch.no_grad():
+        params[0][::7] = 3.3e38
+        params[0][1::7] = -3.3e38
+    opt = getattr(no, cls)(params, lr=1e38, resolution=policy, impl="fused", spike_factor=None)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+out = {}
+for i, (cls, policy, threads, kw) in enumerate(eval(sys.argv[2])):
+    params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, **kw)
+    out[i] = (params, opt.state_dict())
+for cls in ("AdamW", "SFAdamW"):
+    for policy in ("repair", "off"):
+        params, opt = overflow_run(cls, policy)
+        out[(cls, policy)] = (params, opt.state_dict())
+torch.save(out, sys.argv[1])
+"""
+
+
+def _dump(tmp_path: Path, simd: str) -> dict:
+    out = tmp_path / f"{simd}.pt"
+    env = {**os.environ, "NONANS_NATIVE_SIMD": simd, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", _DUMP, str(out), repr(CASES)], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def _tensors(obj, path=""):
+    """Every tensor in a nested structure, keyed by its path."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for k, v in enumerate(obj):
+            yield from _tensors(v, f"{path}/{k}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes for a floating tensor (NaN payloads and signed zeros compare too), else itself."""
+    return t.detach().reshape(-1).view(torch.uint8) if t.is_floating_point() else t
+
+
+def test_avx512_build_writes_the_portable_bits(tmp_path):
+    fast, portable = _dump(tmp_path, "auto"), _dump(tmp_path, "portable")
+    assert fast.keys() == portable.keys()
+    compared, update_events = 0, 0
+    for key in fast:
+        a, b = dict(_tensors(fast[key])), dict(_tensors(portable[key]))
+        assert a.keys() == b.keys(), key
+        for name in a:
+            assert a[name].dtype == b[name].dtype, (key, name)
+            assert torch.equal(_bits(a[name]), _bits(b[name])), (key, name)
+            compared += 1
+        if key in (("AdamW", "repair"), ("SFAdamW", "repair")):  # the overflow runs really overflowed
+            counts = fast[key][1]["state"]["nonans"]["resolution"]["counts"]
+            update_events += int(counts[:, 3].sum())
+            assert torch.isfinite(fast[key][0][0]).all()
+    assert compared > 100 and update_events > 0
