@@ -1,8 +1,9 @@
 """``python -m experiments overhead`` — what ``resolution="repair"`` costs on clean steps (issue 3).
 
 For every optimizer (AdamW foreach, compiled and fused — the last also without the spike guard —, SFAdamW
-foreach and fused, SFNorMuon foreach, compiled and fused, FullFusion, Muon foreach and fused) two arms that differ
-only in the policy, "repair" and "off", run side by side in interleaved rounds (warm-up first, medians):
+foreach and fused, SFNorMuon foreach, compiled and fused, FullFusion foreach and fused, Muon foreach and
+fused) two arms that differ only in the policy, "repair" and "off", run side by side in interleaved rounds
+(warm-up first, medians):
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
 * a whole training step of a small transformer (forward, backward, step) on a fixed batch.
@@ -50,6 +51,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
                                                         impl="compiled"),
     "SFNorMuon (fused)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
     "FullFusion": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol),
+    "FullFusion (fused)": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
     "Muon": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol),
     "Muon (fused)": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
 }

@@ -34,8 +34,8 @@ INFOS = [
               ("momentum_buffer", "mona_prev_grad", "mona_diff_avg", "exp_avg", "exp_avg_sq")),
 ]
 # The native fused loops (impl="fused", nonans_optim/native) through the whole generic suite as well, for
-# the optimizers they cover entirely (FullFusion and MONA groups would fall back to impl="compiled").
-FUSED = ("AdamW", "SFAdamW", "Muon", "SFNorMuon")
+# the optimizers they cover ("skip" falls back to impl="compiled", which the suite then checks too).
+FUSED = ("AdamW", "SFAdamW", "Muon", "SFNorMuon", "FullFusion", "Fusion-mona")
 INFOS += [OptimInfo(f"{i.name}-fused", i.cls, {**i.kwargs, "impl": "fused"}, i.moment_keys, i.schedule_free)
           for i in INFOS if i.name in FUSED]
 IDS = [i.name for i in INFOS]

@@ -1,5 +1,6 @@
 """impl="compiled" (optimizers/_compiled_spectral.py) and impl="fused" (optimizers/_fused_spectral.py, the
-native loops; MONA groups fall back to compiled) on the spectral path against impl="loop".
+native loops, with KL-Shampoo between them) on the spectral path against impl="loop". KL-Shampoo groups
+are not compiled: under impl="compiled" they run foreach, which is compared with the loop here too.
 
 NS5 runs in fp32 here: in bf16 a last-bit difference of the normalised input (the compiled graph divides by
 max|M|, ns5() by the nearest power of two) can flip a bf16 rounding and the two paths then differ at bf16
@@ -48,8 +49,9 @@ def _run(impl, cls, policy, *, inject=True, steps=5, **kw):
 
 CASES = [(no.SFNorMuon, {}), (no.Muon, {}),
          (no.Fusion, {"components": ("ns5", "mona", "normuon", "sf")}),
-         (no.Fusion, {"components": ("mona", "normuon")})]
-IDS = ["SFNorMuon", "Muon", "Fusion-mona", "Fusion-no-ns5"]
+         (no.Fusion, {"components": ("mona", "normuon")}),
+         (no.FullFusion, {}), (no.Fusion, {"components": ("ns5", "shampoo")})]
+IDS = ["SFNorMuon", "Muon", "Fusion-mona", "Fusion-no-ns5", "FullFusion", "Fusion-shampoo"]
 
 
 @pytest.mark.parametrize("impl", ["compiled", "fused"])
@@ -79,12 +81,13 @@ def test_compiled_spectral_bf16_close_to_loop(impl):
         torch.testing.assert_close(q, p, rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("impl", ["compiled", "fused"])
-@pytest.mark.parametrize("cls,policy", [(no.FullFusion, "repair"), (no.SFNorMuon, "skip")],
-                         ids=["shampoo", "skip"])
+@pytest.mark.parametrize("impl,cls,policy", [("compiled", no.FullFusion, "repair"), ("compiled", no.SFNorMuon, "skip"),
+                                             ("fused", no.SFNorMuon, "skip")],
+                         ids=["compiled-shampoo", "compiled-skip", "fused-skip"])
 def test_uncovered_groups_run_foreach(cls, policy, impl):
-    """KL-Shampoo and "skip" are neither compiled nor fused on the spectral path: the result is foreach's
-    (the scalar path of the same optimizer still runs compiled/fused, so compare within float tolerance)."""
+    """KL-Shampoo is not compiled, and "skip" neither compiled nor fused, on the spectral path: the result
+    is foreach's (the scalar path of the same optimizer still runs compiled/fused, so compare within float
+    tolerance)."""
     ref, ref_opt = _run("foreach", cls, policy)
     got, got_opt = _run(impl, cls, policy)
     for p, q in zip(ref, got):

@@ -40,13 +40,13 @@ def _run(impl="fused", *, threads=2, scale=1.0, steps=6, inject=True, cls=no.SFN
     return ps, opt
 
 
-def test_native_loops_run_for_sfnormuon_and_muon(monkeypatch):
+def test_native_loops_run_for_sfnormuon_muon_and_fullfusion(monkeypatch):
     ran = []
     real = _fused_spectral.fused_spectral_update
     monkeypatch.setattr(_spectral, "fused_spectral_update", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
-    for cls in (no.SFNorMuon, no.Muon):
+    for cls in (no.SFNorMuon, no.Muon, no.FullFusion):
         _run(cls=cls, steps=2)
-    assert ran and all(ran)
+    assert len(ran) == 6 and all(ran)
 
 
 def test_thread_count_does_not_change_results():
@@ -61,11 +61,13 @@ def test_thread_count_does_not_change_results():
     assert {"grad", "spike"} <= {e[2] for e in event_tuples(ob)}
 
 
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
 @pytest.mark.parametrize("momentum_dtype", ["auto", "param"])
-def test_faults_spike_and_hold_match_loop(momentum_dtype):
+def test_faults_spike_and_hold_match_loop(momentum_dtype, cls):
     """Counts and escalation equal, values within fp32 tolerance (NS5 in fp32; the bf16 buffer, where
-    chosen, is rounded the same way by both)."""
-    kw = dict(ns5_dtype="fp32", momentum_dtype=momentum_dtype)
+    chosen, is rounded the same way by both). FullFusion: MONA in the pre loop, and KL-Shampoo between
+    the loops fed the gradient as the spike guard rescaled it."""
+    kw = dict(ns5_dtype="fp32", momentum_dtype=momentum_dtype, cls=cls)
     (ref, ref_opt), (got, got_opt) = _run("loop", **kw), _run("fused", **kw)
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
     assert event_tuples(got_opt) == event_tuples(ref_opt)

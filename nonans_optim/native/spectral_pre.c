@@ -27,12 +27,29 @@
 
 enum { NPRE = 2 };   /* per tensor and thread, pre: grad nan, grad non-finite */
 
-/* One entry of the momentum side: the gate, the buffer's new value (fp32, rounded only on the write)
- * and the NS5 input M = lerp(g_in, buf, μ) (Nesterov) or buf. */
-static inline float momentum_entry_(float gr, float bo, float s, int gate, float one_m_mu, float mu, int nesterov,
-                                    float *nb_out) {
-    const float G = gr * s; /* s == 1.0f exactly unless the spike guard fired */
-    const float gin = gate ? (finitef_(gr) ? G : bo) : G; /* missing entry: the buffer keeps its value */
+/* MONA's constants (alpha, 1-beta) and whether this is the tensor's first step (G_prev starts as G). */
+typedef struct {
+    float alpha, one_m_beta;
+    int first;
+} mona_t;
+
+/* One entry of the momentum side: the gate, MONA (when mona: G̃ = G + α·A with A ← lerp(A, G - G_prev,
+ * 1-β), both buffers keeping their values where g is missing — functional/momentum.py::mona_), the
+ * buffer's new value (fp32, rounded only on the write) and the NS5 input M = lerp(g_in, buf, μ)
+ * (Nesterov) or buf. pn/an receive MONA's new G_prev and A. */
+static inline __attribute__((always_inline)) float momentum_entry_(
+        float gr, float bo, float s, int gate, float one_m_mu, float mu, int nesterov, float *nb_out,
+        const int mona, const mona_t mo, float po, float ao, float *pn, float *an) {
+    float G = gr * s; /* s == 1.0f exactly unless the spike guard fired */
+    const int ok = finitef_(gr);
+    if (mona) {
+        const float prev = mo.first ? (gate ? (ok ? G : 0.0f) : G) : po;
+        const float na = lerpf_(ao, G - prev, mo.one_m_beta);
+        *an = gate ? (ok ? na : ao) : na;
+        *pn = gate ? (ok ? G : prev) : G;
+        G = G + mo.alpha * *an;
+    }
+    const float gin = gate ? (ok ? G : bo) : G; /* missing entry: the buffer keeps its value */
     const float nb = lerpf_(bo, gin, one_m_mu);
     *nb_out = nb;
     return nesterov ? lerpf_(gin, nb, mu) : nb;
@@ -61,14 +78,17 @@ static void narrow_row_(const float *restrict src, void *restrict dst, int bf16,
 }
 
 /* Pass 2 over one row: Σ M², with M recomputed rather than stored (a stored fp32 M cost a 4-byte write
- * and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway). */
+ * and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway). pr/ar:
+ * MONA's G_prev and A rows (read only here; NULL without MONA). */
 static inline __attribute__((always_inline)) double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
-                       float one_m_mu, float mu, int nesterov) {
+                       float one_m_mu, float mu, int nesterov, const int mona, const mona_t mo,
+                       const float *restrict pr, const float *restrict ar) {
     float part = 0.0f;
 #pragma omp simd reduction(+ : part)
     for (int64_t j = 0; j < C; j++) {
-        float nb;
-        const float M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb);
+        float nb, pn, an;
+        const float M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
+                                        mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an);
         part += M * M;
     }
     /* Exact enough unless a square overflowed or the row is so small that squares lost precision (or
@@ -78,55 +98,87 @@ static inline __attribute__((always_inline)) double row_msq_(const float *restri
     double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
     for (int64_t j = 0; j < C; j++) {
-        float nb;
-        const double M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb);
+        float nb, pn, an;
+        const double M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
+                                         mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an);
         acc += M * M;
     }
     return acc;
 }
 
-/* row_msq_ with the gate as a compile-time constant in each branch. Only a row with a non-finite entry
- * takes the gated loop: elsewhere the gate selects g anyway, and the select costs in this compute-bound
- * loop (about 0.4 ms of a 3.1M-entry step). */
+/* row_msq_ with the gate and MONA as compile-time constants in each branch. Only a row with a non-finite
+ * entry takes the gated loop: elsewhere the gate selects g anyway, and the select costs in this
+ * compute-bound loop (about 0.4 ms of a 3.1M-entry step). */
 static double row_msq_dispatch_(const float *restrict gr, const float *restrict bo, int64_t C, float s,
-                                int gated, float one_m_mu, float mu, int nesterov) {
-    return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov) : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov);
+                                int gated, float one_m_mu, float mu, int nesterov, const mona_t *mo,
+                                const float *restrict pr, const float *restrict ar) {
+    const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
+    if (mo != NULL)
+        return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 1, m, pr, ar)
+                     : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar);
+    return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 0, m, NULL, NULL)
+                 : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 0, m, NULL, NULL);
 }
 
-/* Pass 3 over one row: in place, b becomes the new buffer value and x the NS5 input M / ‖M‖ (fp32; the
- * caller narrows both). In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp difference from the double
- * product, below bf16's resolution), else in double (‖M‖ beyond fp32's range). */
+/* Pass 3 over one row: in place, b becomes the new buffer value (and pr/ar MONA's new rows) and x the NS5
+ * input M / ‖M‖ (fp32; the caller narrows both). In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp
+ * difference from the double product, below bf16's resolution), else in double (‖M‖ beyond fp32's
+ * range). inv == 1 writes M itself (the KL-Shampoo input, normalised after preconditioning). */
 static inline __attribute__((always_inline)) void row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
-                        int gate, float one_m_mu, float mu, int nesterov, double inv) {
+                        int gate, float one_m_mu, float mu, int nesterov, double inv, const int mona,
+                        const mona_t mo, float *restrict pr, float *restrict ar) {
     const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
     const float inv_f = (float)inv;
     if (narrow) {
 #pragma omp simd
         for (int64_t j = 0; j < C; j++) {
-            float nb;
-            x[j] = momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb) * inv_f;
+            float nb, pn = 0.0f, an = 0.0f;
+            x[j] = momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
+                                   mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an) * inv_f;
             b[j] = nb;
+            if (mona) { pr[j] = pn; ar[j] = an; }
         }
     } else {
 #pragma omp simd
         for (int64_t j = 0; j < C; j++) {
-            float nb;
-            x[j] = (float)((double)momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb) * inv);
+            float nb, pn = 0.0f, an = 0.0f;
+            x[j] = (float)((double)momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
+                                                   mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an) * inv);
             b[j] = nb;
+            if (mona) { pr[j] = pn; ar[j] = an; }
         }
     }
 }
 
+static void row_update_dispatch_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C,
+                                 float s, int gated, float one_m_mu, float mu, int nesterov, double inv,
+                                 const mona_t *mo, float *restrict pr, float *restrict ar) {
+    const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
+    if (mo != NULL) {
+        if (gated) row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 1, m, pr, ar);
+        else row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 1, m, pr, ar);
+    } else {
+        if (gated) row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 0, m, NULL, NULL);
+        else row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 0, m, NULL, NULL);
+    }
+}
+
 /* The momentum side. g, buf, x: per tensor; rows/cols: the matrix shape (buf and x have the same layout
- * as g); hp = {1-μ, μ}. Resolution (all NULL/0 under "off"): as in scalar_step.c, plus row_ok (out,
- * concatenated rows of every tensor: whether the row's gradient was entirely finite; required unless
- * "off") and hold (out, one per tensor). Returns 0, or 1 when scratch memory
- * could not be allocated (nothing written). */
+ * as g); hp = {1-μ, μ}. MONA (NULL without it): mona_prev and mona_avg per tensor (fp32, g's layout),
+ * mona_hp = {α, 1-β}. raw: x receives M itself (fp32; KL-Shampoo preconditions it and the caller
+ * normalises), and the passes that only serve the norm of M are skipped. Resolution (all NULL/0 under
+ * "off"): as in scalar_step.c, plus row_ok (out, concatenated rows of every tensor: whether the row's
+ * gradient was entirely finite; required unless "off") and hold (out, one per tensor). scale_out and
+ * bad_out (out, optional, one per tensor): the spike guard's scale of g and the count of non-finite
+ * gradient entries (0 under "off"). Returns 0, or 1 when scratch memory could not be allocated (nothing
+ * written). */
 int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x, int x_bf16,
                         const int64_t *rows, const int64_t *cols, float **step, const float *hp, int nesterov,
+                        float **mona_prev, float **mona_avg, const float *mona_hp, int raw,
                         int policy, float factor, float beta, float one_m_beta, float *ema, const int64_t *sel,
                         const int64_t *clean_streak, const int64_t *events, int64_t repeat_window,
-                        uint8_t *row_ok, uint8_t *hold, int64_t *dense, int nthreads) {
+                        uint8_t *row_ok, uint8_t *hold, float *scale_out, int64_t *bad_out, int64_t *dense,
+                        int nthreads) {
     const int T = nthreads > 0 ? nthreads : 1;
     const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
     const float one_m_mu = hp[0], mu = hp[1];
@@ -161,6 +213,10 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
             const float *gi = g[i];
             float s = 1.0f;
+            const mona_t mo = {mona_hp != NULL ? mona_hp[0] : 0.0f, mona_hp != NULL ? mona_hp[1] : 0.0f,
+                               *step[i] == 1.0f};
+            const mona_t *mop = mona_prev != NULL ? &mo : NULL;
+            float *pi = mona_prev != NULL ? mona_prev[i] : NULL, *ai = mona_avg != NULL ? mona_avg[i] : NULL;
             double *gsq = part + row_off[i], *msq = part + total_rows + row_off[i];
             /* pass 1: gradient statistics and, speculating that the spike guard will not fire (s = 1),
              * the row sums of M². Nothing is written before pass 3, so a wrong guess costs one more
@@ -184,9 +240,10 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     bad_c += nb;
                     row_ok[row_off[i] + r] = nb == 0;
                 }
+                if (raw) continue; /* no norm of M to take: pass 3 writes M itself */
                 widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
                 msq[r] = row_msq_dispatch_(gr, brow, C, 1.0f, gate && !row_ok[row_off[i] + r], one_m_mu, mu,
-                                           nesterov);
+                                           nesterov, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL);
             }
             cnt[(i * T + tid) * NPRE] = nan_c;
             cnt[(i * T + tid) * NPRE + 1] = bad_c;
@@ -203,24 +260,28 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
                 if (tid == 0) hold[i] = policy == POLICY_REPAIR && recent[i] && nbad == R * C;
+                if (tid == 0 && bad_out != NULL) bad_out[i] = nbad;
             }
-            if (s != 1.0f) { /* pass 2: the guard fired (the same decision on every thread) */
+            if (tid == 0 && scale_out != NULL) scale_out[i] = s;
+            if (tid == 0 && bad_out != NULL && !gate) bad_out[i] = 0;
+            if (s != 1.0f && !raw) { /* pass 2: the guard fired (the same decision on every thread) */
                 for (int64_t r = r0; r < r1; r++) {
                     widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
                     msq[r] = row_msq_dispatch_(gi + r * C, brow, C, s, gate && !row_ok[row_off[i] + r], one_m_mu,
-                                               mu, nesterov);
+                                               mu, nesterov, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL);
                 }
 #pragma omp barrier
             }
             double msum = 0.0;
-            for (int64_t r = 0; r < R; r++) msum += msq[r];
-            const double inv = msum > 0.0 ? 1.0 / sqrt(msum) : 0.0;
+            if (!raw)
+                for (int64_t r = 0; r < R; r++) msum += msq[r];
+            const double inv = raw ? 1.0 : msum > 0.0 ? 1.0 / sqrt(msum) : 0.0;
             /* pass 3 */
             for (int64_t r = r0; r < r1; r++) {
                 char *bdst = (char *)buf[i] + (size_t)(r * C) * bsz;
                 widen_row_(bdst, buf_bf16, brow, C);
-                if (gate && !row_ok[row_off[i] + r]) row_update_(gi + r * C, brow, xrow, C, s, 1, one_m_mu, mu, nesterov, inv);
-                else row_update_(gi + r * C, brow, xrow, C, s, 0, one_m_mu, mu, nesterov, inv);
+                row_update_dispatch_(gi + r * C, brow, xrow, C, s, gate && !row_ok[row_off[i] + r], one_m_mu, mu,
+                                     nesterov, inv, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL);
                 narrow_row_(brow, bdst, buf_bf16, C);
                 narrow_row_(xrow, (char *)x[i] + (size_t)(r * C) * xsz, x_bf16, C);
             }

@@ -7,10 +7,16 @@ inputs, the batched eager NS5 iteration, a direction-side pass), with the two gr
 graphs took about 14.5 ms per SF-NorMuon step against about 20.5 ms of NS5 matmuls — several times the
 time their byte traffic needs.
 
-Covered: NS5 with any of NorMuon and schedule-free (SF-NorMuon, Muon), "repair" and "off", contiguous
-fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a bf16 or fp32 hot dtype. Anything
-else (MONA, KL-Shampoo, "skip", fp16 NS5, CUDA) returns False and the caller runs ``impl="compiled"``.
-Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
+Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
+"repair" and "off", contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
+bf16 or fp32 hot dtype. Anything else ("skip", fp16 NS5, CUDA) returns False and the caller runs
+``impl="compiled"``. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
+
+MONA is elementwise and rides in the pre loop. KL-Shampoo is matrix products: with it, pre writes the
+momentum M itself (fp32), and between the two loops each matrix is preconditioned and its factors updated
+by :mod:`nonans_optim.functional.kl_shampoo` — the loop's functions, fed the gradient the spike guard
+scaled and the "entirely finite" flag that pre counted — then normalised as :func:`nonans_optim.ns5.ns5`
+does and cast to the hot dtype. The resolution's elementwise work stays in the C loops either way.
 """
 from __future__ import annotations
 
@@ -23,15 +29,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import native
 from .._workspace import Workspace
 from ..functional.spike import SPIKE_BETA
-from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
+from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
+from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate, normalise
+from ..resolution import STAGE_INDEX
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
-from ._common import mark_written, resolution_written
+from ._common import dense_counts, mark_written, resolution_written
 from ._fused import pointers, resolution_pointers
 
 __all__ = ["fused_spectral_update"]
 
-_COVERED = frozenset({"ns5", "normuon", "sf"})
+_COVERED = frozenset({"ns5", "normuon", "sf", "mona", "shampoo"})
 _POLICY = {"off": 0, "repair": 1}
 
 
@@ -48,22 +56,51 @@ def _member_pointers(stacks: list[torch.Tensor], buckets, n: int):
 _WORKSPACE = WeakIdKeyDictionary()  # tensors hash by identity here (a WeakKeyDictionary would compare them)
 
 
-def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype):
+def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype, raw: bool):
     """The NS5 input stacks, one NS5 workspace per bucket and the row/hold flags of a group, kept between
     steps (keyed by the group's first parameter, released with it): fresh buffers each step are handed back
     to the OS and page-faulted in again (see :mod:`nonans_optim._workspace`). Safe to reuse: all of them
-    only live inside one step, and each bucket's NS5 output stays in its own workspace until post reads it."""
+    only live inside one step, and each bucket's NS5 output stays in its own workspace until post reads it.
+    ``raw`` (KL-Shampoo): fp32 stacks for pre's M as well, and per tensor the guard's scale and the
+    non-finite count of g."""
     cache = _WORKSPACE.get(anchor)
     if cache is None:
         cache = _WORKSPACE[anchor] = {}
-    key = (shapes, hot)
+    key = (shapes, hot, raw)
     if key not in cache:
         cache.clear()
+        n = len(shapes)
         inputs = [torch.empty((len(members), *shapes[members[0]]), dtype=hot) for members, _ in buckets]
-        flags = torch.empty(sum(s[0] for s in shapes) + len(shapes), dtype=torch.uint8)
+        raws = [torch.empty(x.shape, dtype=torch.float32) for x in inputs] if raw else None
+        flags = torch.empty(sum(s[0] for s in shapes) + n, dtype=torch.uint8)
         # per row "entirely finite" and per tensor "hold": written by pre before post reads them
-        cache[key] = (inputs, [Workspace() for _ in buckets], flags[:-len(shapes)], flags[-len(shapes):])
+        cache[key] = (inputs, [Workspace() for _ in buckets], flags[:-n], flags[-n:], raws,
+                      (ctypes.c_float * n)(), (ctypes.c_int64 * n)())
     return cache[key]
+
+
+def _precondition(inputs, raws, buckets, params, grads, states, indices, group, ctx, scale, bad) -> None:
+    """KL-Shampoo between the loops, per matrix as impl="loop" runs it (precondition with the factors of
+    the previous steps, then fold this gradient in; a bypass or an internal overflow is a "direction"
+    event), then each bucket normalised into its hot-dtype NS5 input stack. The host reads here (step
+    counts, the guard's scales, the counts) are of CPU memory the pre loop has just written: no device."""
+    gate = ctx["resolution"] is not None
+    dense = dense_counts(ctx, params[0].device) if gate else None
+    direction = STAGE_INDEX["direction"]
+    for X, R, (members, _) in zip(inputs, raws, buckets):
+        for j, i in enumerate(members):
+            st, shape = states[i], matrix_shape(params[i])
+            P, bypassed = kl_shampoo_precondition(st, R[j])
+            R[j].copy_(P)
+            g = grads[i].reshape(shape)
+            if scale[i] != 1.0:  # the spike guard fired: the factors see the rescaled gradient, as in the loop
+                g = g * scale[i]
+            ok = torch.tensor(bad[i] == 0)
+            internal_bad = kl_shampoo_update_(st, g, ok, int(st["step"]), beta=group["shampoo_beta"],
+                                              refresh_every=group["shampoo_refresh_every"])
+            if gate:
+                dense[indices[i], direction, 1] += (internal_bad | bypassed).to(torch.int64)
+        X.copy_(normalise(R))
 
 
 def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
@@ -81,34 +118,42 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     buf_dtype = bufs[0].dtype
     if lib is None or hot not in (torch.bfloat16, torch.float32) or buf_dtype not in (torch.bfloat16, torch.float32):
         return False
-    normuon, sf = "normuon" in comps, "sf" in comps
+    normuon, sf, mona, shampoo = "normuon" in comps, "sf" in comps, "mona" in comps, "shampoo" in comps
     steps = [st["step"] for st in states]
     zs = [st["z"] for st in states] if sf else []
     vs = [st["normuon_row_sq"] for st in states] if normuon else []
+    mona_bufs = ([st["mona_prev_grad"] for st in states], [st["mona_diff_avg"] for st in states]) if mona else ([], [])
     ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers(steps),
-            pointers(zs) if sf else True, pointers(vs) if normuon else True]
+            pointers(zs) if sf else True, pointers(vs) if normuon else True,
+            pointers(mona_bufs[0]) if mona else True, pointers(mona_bufs[1]) if mona else True]
     if any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
         return False
-    p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr = ptrs
+    p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr, prev_ptr, avg_ptr = ptrs
     n = len(params)
     nulls = (ctypes.c_void_p * n)()
     shapes = [matrix_shape(p) for p in params]
     rows = (ctypes.c_int64 * n)(*[s[0] for s in shapes])
     cols = (ctypes.c_int64 * n)(*[s[1] for s in shapes])
     buckets = _buckets(params)
-    inputs, workspaces, row_ok, hold = _workspace(params[0], tuple(shapes), buckets, hot)
+    inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(params[0], tuple(shapes), buckets, hot,
+                                                                     shampoo)
     gate = policy != "off"
     r = resolution_pointers(ctx, indices)
     threads = torch.get_num_threads()
     hp_pre = (ctypes.c_float * 2)(1 - group["momentum"], group["momentum"])
+    hp_mona = (ctypes.c_float * 2)(group["mona_alpha"], 1 - group["mona_beta"])
     rc = lib.nonans_spectral_pre(
-        n, g_ptr, b_ptr, int(buf_dtype is torch.bfloat16), _member_pointers(inputs, buckets, n),
-        int(hot is torch.bfloat16), ctypes.addressof(rows),
-        ctypes.addressof(cols), step_ptr, ctypes.addressof(hp_pre), int(group["nesterov"]), _POLICY[policy],
-        r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
-        row_ok.data_ptr() if gate else None, hold.data_ptr(), r["dense"], threads)
+        n, g_ptr, b_ptr, int(buf_dtype is torch.bfloat16), _member_pointers(raws if shampoo else inputs, buckets, n),
+        int(hot is torch.bfloat16 and not shampoo), ctypes.addressof(rows), ctypes.addressof(cols), step_ptr,
+        ctypes.addressof(hp_pre), int(group["nesterov"]), prev_ptr if mona else None, avg_ptr if mona else None,
+        ctypes.addressof(hp_mona) if mona else None, int(shampoo), _POLICY[policy], r["factor"], SPIKE_BETA,
+        1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
+        row_ok.data_ptr() if gate else None, hold.data_ptr(), ctypes.addressof(scale), ctypes.addressof(bad),
+        r["dense"], threads)
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
+    if shampoo:
+        _precondition(inputs, raws, buckets, params, grads, states, indices, group, ctx, scale, bad)
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
     outs = [iterate(X, coefficients, tall=tall, workspace=ws).contiguous()
             for X, (_, tall), ws in zip(inputs, buckets, workspaces)]
@@ -123,5 +168,5 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         r["dense"], threads)
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
-    mark_written(params, bufs, steps, zs, vs, resolution_written(ctx))
+    mark_written(params, bufs, steps, zs, vs, *mona_bufs, resolution_written(ctx))
     return True
