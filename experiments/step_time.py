@@ -171,6 +171,7 @@ def _our_factories() -> dict[str, Callable]:
         "ours FullFusion (foreach, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR),
         "ours FullFusion (compiled, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR,
                                                                             impl="compiled"),
+        "ours FullFusion (fused, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR, impl="fused"),
     }
 
 

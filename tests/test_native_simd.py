@@ -1,10 +1,11 @@
-"""The AVX-512 build of the native (SF-)AdamW step (nonans_optim/native/scalar_avx512.h) against the
-portable build (``NONANS_NATIVE_SIMD=portable``): the same arithmetic op for op, so every parameter, state
-buffer and event count must be bit-identical — over test_fused.py's fault sequence (NaN, ±Inf, a g²
-overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
-on and off, one and two threads, both branches of the lerp formula, and updates that overflow to ±Inf and
-NaN inside the step (the update stage's NaN/Inf split). test_fused.py already compares each build with
-impl="loop" within tolerances; this pins down that the fast path changed nothing at all.
+"""The AVX-512 build of the native loops (nonans_optim/native/simd_avx512.h: the (SF-)AdamW step and the
+spectral update) against the portable build (``NONANS_NATIVE_SIMD=portable``): the same arithmetic op for
+op, so every parameter, state buffer and event count must be bit-identical — over test_fused.py's fault
+sequence (NaN, ±Inf, a g² overflow, the hold rule, a spike the guard rescales, the pre-pass path), under
+every policy, with the guard on and off, one and two threads, both branches of the lerp formula; over
+test_fused_spectral.py's for SF-NorMuon, Muon and FullFusion; and with updates that overflow to ±Inf and
+NaN inside the step (the update stage's NaN/Inf split). test_fused.py and test_fused_spectral.py already
+compare each build with impl="loop" within tolerances; this pins down that the fast path changed nothing.
 
 Each build runs in its own subprocess (the library is loaded once per process) and saves its results.
 Skipped where the default build has no AVX-512 form (nothing to compare).
@@ -36,15 +37,18 @@ _DUMP = r"""
 import sys, torch
 import nonans_optim as no
 from test_fused import _run
+from test_fused_spectral import _run as spectral_run
 
 def overflow_run(cls, policy):
     # Parameters near the fp32 limit and a huge step size: the new y (and z) overflow to ±Inf, and
     # Inf - Inf makes NaN, inside the step with finite gradients — the update stage's NaN/Inf split.
     torch.manual_seed(3)
-    params = [torch.randn(1000, requires_grad=True), torch.randn(37, requires_grad=True)]
+    params = [torch.randn(1000, requires_grad=True), torch.randn(37, requires_grad=True),
+              torch.randn(40, 30, requires_grad=True)]
     with torch.no_grad():
-        params[0][::7] = 3.3e38
-        params[0][1::7] = -3.3e38
+        for p in (params[0], params[2].view(-1)):
+            p[::7] = 3.3e38
+            p[1::7] = -3.3e38
     opt = getattr(no, cls)(params, lr=1e38, resolution=policy, impl="fused", spike_factor=None)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
@@ -57,7 +61,11 @@ out = {}
 for i, (cls, policy, threads, kw) in enumerate(eval(sys.argv[2])):
     params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, **kw)
     out[i] = (params, opt.state_dict())
-for cls in ("AdamW", "SFAdamW"):
+for cls in ("SFNorMuon", "Muon", "FullFusion"):
+    for threads in (1, 2):
+        params, opt = spectral_run(cls=getattr(no, cls), threads=threads)
+        out[(cls, threads)] = (params, opt.state_dict())
+for cls in ("AdamW", "SFAdamW", "SFNorMuon", "Muon"):
     for policy in ("repair", "off"):
         params, opt = overflow_run(cls, policy)
         out[(cls, policy)] = (params, opt.state_dict())
@@ -102,8 +110,9 @@ def test_avx512_build_writes_the_portable_bits(tmp_path):
             assert a[name].dtype == b[name].dtype, (key, name)
             assert torch.equal(_bits(a[name]), _bits(b[name])), (key, name)
             compared += 1
-        if key in (("AdamW", "repair"), ("SFAdamW", "repair")):  # the overflow runs really overflowed
+        if isinstance(key, tuple) and key[1:] == ("repair",):  # the overflow runs really overflowed
             counts = fast[key][1]["state"]["nonans"]["resolution"]["counts"]
+            assert counts[:, 3].sum() > 0, key
             update_events += int(counts[:, 3].sum())
-            assert torch.isfinite(fast[key][0][0]).all()
+            assert all(torch.isfinite(p).all() for p in fast[key][0]), key
     assert compared > 100 and update_events > 0

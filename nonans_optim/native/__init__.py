@@ -15,8 +15,10 @@ one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default ``~/.cache
 the source, the flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
 run on another CPU sharing the home directory).
 
-Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in ``scalar_avx512.h``, the same
-(SF-)AdamW loop in intrinsics with cheaper event counting; ``NONANS_NATIVE_SIMD=portable`` leaves it out.
+Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in the intrinsics forms of the
+(SF-)AdamW loop (``scalar_avx512.h``) and of the spectral update loop (``spectral_post.c``), which check
+and count the resolution far more cheaply (``simd_avx512.h``); ``NONANS_NATIVE_SIMD=portable`` leaves
+them out.
 
 ``NONANS_NATIVE=0`` disables it. When it cannot be built, :func:`library` returns None, :func:`failure`
 says why, and ``impl="fused"`` warns once and runs ``impl="compiled"``.
@@ -36,8 +38,8 @@ from pathlib import Path
 __all__ = ["library", "failure", "record_step", "SOURCES"]
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "common.h", _DIR / "scalar_avx512.h", _DIR / "scalar_step.c", _DIR / "spectral_pre.c",
-           _DIR / "spectral_post.c")
+SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_step.c",
+           _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
 # Tried in order: the first that compiles wins.
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])

@@ -1,56 +1,21 @@
-/* The AVX-512 form of scalar_step.c's update_block and of pass 1's sum of squares, used when the library
- * is built for a CPU with AVX-512F and AVX-512DQ (-march=native) unless NONANS_PORTABLE is defined
- * (NONANS_NATIVE_SIMD=portable; tests/test_native_simd.py checks that both builds write the same bits).
- *
- * Why intrinsics: the arithmetic is the portable loop's, op for op (no FMA, same association, so the
- * results are bit-identical), but the resolution's bookkeeping is not. Under `#pragma omp simd`, gcc 12
- * turns each `count += !finite(x)` into a mask, a zero-masked move of a ones vector and a vector add —
- * three 512-bit ops per count, which on Zen 4 (512-bit ops issued as two 256-bit halves) cost more than
- * the gates themselves: the portable "repair" loop ran 1.7x "off" on cache-resident data. Here a test is
- * one VFPCLASSPS into a mask register, the count is a POPCNT on the integer ports (idle in this loop),
- * the NaN/Inf split of the update stage is taken only in a vector that had a non-finite entry, and the
- * same mask drives the select: about 1.15x "off" (python -m experiments overhead, "by tensor size").
+/* The AVX-512 form of scalar_step.c's update_block and of pass 1's sum of squares (see simd_avx512.h for
+ * when it is compiled in, and why intrinsics). The portable update loop ran 1.7x (AdamW) and 2.5x
+ * (SFAdamW) its "off" loop on cache-resident data; this one about 1.05–1.1x (a C driver over 262K
+ * entries, one thread), and the same bits.
  *
  * Pass 1's sum of squares runs four independent vector accumulators (one chain was latency-bound), the
  * 64 lanes of scalar_step.c's sumsq_portable, added in the same order — the guard's scale, and so every
  * value a step with a triggered guard writes, is the same in both builds. */
 #ifndef NONANS_SCALAR_AVX512_H
 #define NONANS_SCALAR_AVX512_H
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(NONANS_PORTABLE)
-#define NONANS_AVX512 1
-#include <immintrin.h>
-
-#define NONFINITE_ 0x99 /* VFPCLASSPS categories: QNaN | SNaN | +Inf | -Inf */
+#include "simd_avx512.h"
+#ifdef NONANS_AVX512
 
 typedef struct {
-    __m512 s, one_m_b2, b2, w, one_m_w, bc1, bc2, eps, wdf, lr, wd, c, one_m_c, lrc;
-    int small_w, small_c;
+    __m512 s, one_m_b2, b2, w, one_m_w, bc1, bc2, eps;
+    int small_w;
+    vparam_t u;
 } vhyper_t;
-
-/* lerpf_ (common.h) on 16 lanes; the branch is on the uniform weight, decided once per block. */
-static inline __attribute__((always_inline)) __m512 vlerp_(__m512 a, __m512 b, __m512 w, __m512 one_m_w,
-                                                            int small) {
-    const __m512 diff = _mm512_sub_ps(b, a);
-    return small ? _mm512_add_ps(a, _mm512_mul_ps(w, diff)) : _mm512_sub_ps(b, _mm512_mul_ps(diff, one_m_w));
-}
-
-static inline __attribute__((always_inline)) __m512 vload_(int full, __mmask16 lm, const float *x) {
-    return full ? _mm512_loadu_ps(x) : _mm512_maskz_loadu_ps(lm, x);
-}
-
-static inline __attribute__((always_inline)) void vstore_(int full, __mmask16 lm, float *x, __m512 val) {
-    if (full) _mm512_storeu_ps(x, val);
-    else _mm512_mask_storeu_ps(x, lm, val);
-}
-
-/* The update stage of one vector: keep the old value where the new one is not finite, or everywhere when
- * the tensor is held, and count NaN / non-finite new values. */
-static inline __attribute__((always_inline)) __m512 guard_(__m512 x, __m512 old, __mmask16 bad, __mmask16 keep,
-                                                            int64_t *un, int64_t *ub) {
-    *ub += __builtin_popcount(bad);
-    *un += __builtin_popcount(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) & bad);
-    return _mm512_mask_blend_ps(bad | keep, x, old);
-}
 
 /* The arithmetic of one vector from its loaded inputs: new v, m (AdamW), y and z (schedule-free).
  * gated: the exact resolution — the gradient gate (gbad: its non-finite lanes) and the second-moment
@@ -70,14 +35,8 @@ static inline __attribute__((always_inline)) void arith_(
         *vb += __builtin_popcount(vbad);
     }
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vn, k->bc2)), k->eps);
-    __m512 d = sf ? _mm512_div_ps(mn, denom) : _mm512_div_ps(_mm512_div_ps(mn, k->bc1), denom);
-    if (sf) {
-        if (decay_z) d = _mm512_add_ps(d, _mm512_mul_ps(zo, k->wd));
-        *y_ = _mm512_add_ps(vlerp_(po, zo, k->c, k->one_m_c, k->small_c), _mm512_mul_ps(d, k->lrc));
-        *zn_ = _mm512_sub_ps(zo, _mm512_mul_ps(d, k->lr));
-    } else {
-        *y_ = _mm512_sub_ps(_mm512_mul_ps(po, k->wdf), _mm512_mul_ps(k->lr, d));
-    }
+    const __m512 d = sf ? _mm512_div_ps(mn, denom) : _mm512_div_ps(_mm512_div_ps(mn, k->bc1), denom);
+    *y_ = vparam_(sf, decay_z, d, po, zo, &k->u, zn_);
     *vn_ = vn;
     *mn_ = mn;
 }
@@ -134,15 +93,14 @@ static inline __attribute__((always_inline)) void update_block_avx512(
     const vhyper_t k = {
         _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
         _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
-        _mm512_set1_ps(wdf), _mm512_set1_ps(lr), _mm512_set1_ps(h.wd), _mm512_set1_ps(h.c),
-        _mm512_set1_ps(1.0f - h.c), _mm512_set1_ps(lrc), fabsf(h.one_m_b1) < 0.5f, fabsf(h.c) < 0.5f};
+        fabsf(h.one_m_b1) < 0.5f, vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0, j = b0;
     for (; j + 16 <= b1; j += 16)
         vec_update_(sf, gate, decay_z, 1, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, &vb,
                     &un, &ub);
     if (j < b1)
-        vec_update_(sf, gate, decay_z, 0, (__mmask16)((1u << (b1 - j)) - 1u), p, g, m, v, z, j, &k, hold,
+        vec_update_(sf, gate, decay_z, 0, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold,
                     skip_all, &vb, &un, &ub);
     int64_t gn = 0, gb = 0;
     if (!clean && vb > 0) /* a bad gradient entry always makes its new v non-finite: recount from g */
@@ -166,8 +124,7 @@ static inline float sumsq_avx512(const float *restrict g, int64_t b0, int64_t b1
         a3 = _mm512_add_ps(a3, _mm512_mul_ps(x3, x3));
     }
     for (; j < b1; j += 16) {
-        const __mmask16 lm = b1 - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (b1 - j)) - 1u);
-        const __m512 x = _mm512_maskz_loadu_ps(lm, g + j);
+        const __m512 x = _mm512_maskz_loadu_ps(vlanes_(b1 - j), g + j);
         a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, x));
     }
     float lanes[16];

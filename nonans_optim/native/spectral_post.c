@@ -7,7 +7,8 @@
 #include "common.h"
 
 /* Pass B over one row: d = O·rsc, the update, the guard; sf/decay/gate are constants at every call site
- * (one straight vector loop per variant). Adds the row's update counts to *un, *ub. */
+ * (one straight vector loop per variant). Adds the row's update counts to *un, *ub. The portable form;
+ * update_row_avx512_ below is the same in intrinsics, which the build uses where the CPU has them. */
 static inline __attribute__((always_inline)) void update_row_(
         const int sf, const int decay, const int gate, const float *restrict orow, float *restrict pr,
         float *restrict zr, int64_t C, float rsc, float lr, float lrc, float wdf, float wd, float c, int keep,
@@ -42,6 +43,45 @@ static inline __attribute__((always_inline)) void update_row_(
     *un_out += un;
     *ub_out += ub;
 }
+
+#include "simd_avx512.h"
+#ifdef NONANS_AVX512
+/* One vector of update_row_ in AVX-512 (simd_avx512.h): the stock update, one test of y (+ z), and the
+ * guard and counts only behind it. */
+static inline __attribute__((always_inline)) void vec_row_(
+        const int sf, const int decay, const int gate, const int full, __mmask16 lm, const float *restrict orow,
+        float *restrict pr, float *restrict zr, int64_t j, __m512 rsc, const vparam_t *k, int keep, int64_t *un,
+        int64_t *ub) {
+    const __m512 d = _mm512_mul_ps(vload_(full, lm, orow + j), rsc), po = vload_(full, lm, pr + j);
+    const __m512 zo = sf ? vload_(full, lm, zr + j) : _mm512_setzero_ps();
+    __m512 zn = zo, y = vparam_(sf, decay, d, po, zo, k, &zn);
+    if (gate) {
+        const __mmask16 km = keep ? lm : 0;
+        const __mmask16 any = _mm512_fpclass_ps_mask(sf ? _mm512_add_ps(y, zn) : y, NONFINITE_) & lm;
+        if (__builtin_expect((any | km) != 0, 0)) {
+            y = guard_(y, po, _mm512_fpclass_ps_mask(y, NONFINITE_) & lm, km, un, ub);
+            if (sf) zn = guard_(zn, zo, _mm512_fpclass_ps_mask(zn, NONFINITE_) & lm, km, un, ub);
+        }
+    }
+    vstore_(full, lm, pr + j, y);
+    if (sf) vstore_(full, lm, zr + j, zn);
+}
+
+static inline __attribute__((always_inline)) void update_row_avx512_(
+        const int sf, const int decay, const int gate, const float *restrict orow, float *restrict pr,
+        float *restrict zr, int64_t C, float rsc, float lr, float lrc, float wdf, float wd, float c, int keep,
+        int64_t *un_out, int64_t *ub_out) {
+    const vparam_t k = vparam_make_(lr, lrc, wdf, wd, c);
+    const __m512 r = _mm512_set1_ps(rsc);
+    int64_t j = 0;
+    for (; j + 16 <= C; j += 16)
+        vec_row_(sf, decay, gate, 1, (__mmask16)0xFFFF, orow, pr, zr, j, r, &k, keep, un_out, ub_out);
+    if (j < C) vec_row_(sf, decay, gate, 0, vlanes_(C - j), orow, pr, zr, j, r, &k, keep, un_out, ub_out);
+}
+#define UPDATE_ROW_ update_row_avx512_
+#else
+#define UPDATE_ROW_ update_row_
+#endif
 
 /* The direction side, on the NS5 outputs o (hot dtype, the parameters' layout). p, z (NULL without
  * schedule-free), v (NorMuon row moments, NULL without NorMuon): per tensor; row_ok and hold as pre wrote
@@ -135,12 +175,12 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
                     orow = rowbuf;
                 }
                 float *pr = p[i] + r * C, *zr = sf ? z[i] + r * C : NULL;
-                if (!gate && !sf) update_row_(0, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
-                else if (!gate && !decay) update_row_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
-                else if (!gate) update_row_(1, 1, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
-                else if (!sf) update_row_(0, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
-                else if (!decay) update_row_(1, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
-                else update_row_(1, 1, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                if (!gate && !sf) UPDATE_ROW_(0, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate && !decay) UPDATE_ROW_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate) UPDATE_ROW_(1, 1, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!sf) UPDATE_ROW_(0, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                else if (!decay) UPDATE_ROW_(1, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
+                else UPDATE_ROW_(1, 1, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
             }
             cnt[(i * T + tid) * 2] = keep ? 0 : un_t; /* a held tensor writes nothing, so counts nothing */
             cnt[(i * T + tid) * 2 + 1] = keep ? 0 : ub_t;

@@ -228,12 +228,17 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                 if (gate) {
                     float part_ss = 0.0f;
                     int nn = 0, nb = 0;
-#pragma omp simd reduction(+ : part_ss, nn, nb)
-                    for (int64_t j = 0; j < C; j++) {
-                        const float v = gr[j];
-                        part_ss += v * v;
-                        nn += v != v;
-                        nb += !finitef_(v);
+#pragma omp simd reduction(+ : part_ss)
+                    for (int64_t j = 0; j < C; j++) part_ss += gr[j] * gr[j];
+                    /* A NaN or ±Inf entry makes the row's sum non-finite: only such a row (or one whose
+                     * squares overflowed) is read again to count them — per-entry counters in the loop
+                     * above cost more than the sum (see native/simd_avx512.h). */
+                    if (!finitef_(part_ss)) {
+#pragma omp simd reduction(+ : nn, nb)
+                        for (int64_t j = 0; j < C; j++) {
+                            nn += gr[j] != gr[j];
+                            nb += !finitef_(gr[j]);
+                        }
                     }
                     gsq[r] = part_ss;
                     nan_c += nn;
