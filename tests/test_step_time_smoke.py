@@ -35,7 +35,7 @@ def test_step_time_quick(tmp_path):
             "ours SFAdamW (compiled, repair)", "ours SFNorMuon (foreach, repair)",
             "ours SFNorMuon (compiled, repair)", "ours FullFusion (foreach, repair)",
             "ours FullFusion (compiled, repair)", "ours AdamW (fused, repair)", "ours SFAdamW (fused, repair)",
-            "ours SFNorMuon (fused, repair)"}
+            "ours SFNorMuon (fused, repair)", "ours FullFusion (fused, repair)"}
     assert ours | {"torch AdamW (foreach)", "torch AdamW (fused)"} <= names
     assert names | set(data["skipped"]) >= ours  # every arm is either measured or reported as skipped
     for r in data["arms"]:
@@ -51,7 +51,7 @@ def test_overhead_quick(tmp_path):
     data = _run("overhead", tmp_path)
     expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=None)",
                 "SFAdamW", "SFAdamW (fused)", "SFNorMuon", "SFNorMuon (compiled)", "SFNorMuon (fused)",
-                "FullFusion", "Muon", "Muon (fused)"]
+                "FullFusion", "FullFusion (fused)", "Muon", "Muon (fused)"]
     assert [r["optimizer"] for r in data["rows"]] == expected
     for r in data["rows"]:
         for part in ("step", "train_step"):
@@ -64,6 +64,15 @@ def test_overhead_quick(tmp_path):
     for r in data["size_sweep"]:
         assert all(_finite_positive(r[k])
                    for k in ("off_ms", "repair_paired_ratio", "repair_no_guard_paired_ratio"))
+    # --render-only puts the same JSON's table into a RESULTS file, naming every arm as met or missed
+    md = tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, "-m", "experiments", "overhead", "--render-only", "--out",
+                           str(tmp_path / "overhead.json"), "--results-md", str(md)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    section = md.read_text()
+    assert "<!-- overhead:begin -->" in section and "Target (CPU)" in section
+    assert all(f"| {name} |" in section and f"{name} (" in section.split("Target (CPU)")[1] for name in expected)
 
 
 @pytest.mark.slow
