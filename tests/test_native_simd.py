@@ -34,8 +34,9 @@ CASES += [("AdamW", "repair", 1, {"spike_factor": None}), ("SFAdamW", "repair", 
           ("SFAdamW", "repair", 2, {"weight_decay": 0.0})]  # no decay of z
 
 _DUMP = r"""
-import sys, torch
+import ast, sys, torch
 import nonans_optim as no
+from nonans_optim import native
 from test_fused import _run
 from test_fused_spectral import _run as spectral_run
 
@@ -57,8 +58,8 @@ def overflow_run(cls, policy):
         opt.step()
     return params, opt
 
-out = {}
-for i, (cls, policy, threads, kw) in enumerate(eval(sys.argv[2])):
+out = {"simd_width": torch.tensor(native.library().nonans_simd_width())}
+for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
     params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, **kw)
     out[i] = (params, opt.state_dict())
 for cls in ("SFNorMuon", "Muon", "FullFusion"):
@@ -101,6 +102,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def test_avx512_build_writes_the_portable_bits(tmp_path):
     fast, portable = _dump(tmp_path, "auto"), _dump(tmp_path, "portable")
+    assert (int(fast.pop("simd_width")), int(portable.pop("simd_width"))) == (512, 0)  # two different builds ran
     assert fast.keys() == portable.keys()
     compared, update_events = 0, 0
     for key in fast:
