@@ -12,8 +12,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Triton 3.6's interpreter (the version the GPU image ships, with torch 2.11) turns a scalar tl.load into a
+# one-element array, and range() over such a bound raises "only 0-dimensional arrays can be converted to
+# Python scalars" in kernels that compile fine for sm_90 under 3.6 (tests/test_kernels_aot.py passes there).
+# 3.7, 3.8 and 3.9 interpret every suite here (checked by running them against each of those wheels).
+MIN_INTERPRETER = (3, 7)
+
+
 def assert_interpreted_suite_passes(test_file: str, *, timeout: int) -> None:
     """Every case of ``test_file`` passes under the interpreter, and none is skipped there."""
+    import pytest
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    if version < MIN_INTERPRETER:
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run these kernels (needs "
+                    f"{'.'.join(map(str, MIN_INTERPRETER))}+); the compiled kernels are unaffected")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(Path(test_file).resolve())], cwd=REPO, env=env, capture_output=True,
