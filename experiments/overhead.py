@@ -204,6 +204,16 @@ def run(args) -> dict[str, Any]:
                        "train_step": {k: [1e3 * x for x in v] for k, v in train_times.items()}}}
 
 
+def _paired_quartiles(data: dict[str, Any], name: str) -> tuple[float, float]:
+    """First and third quartile of the per-round repair/off step ratios, from the raw timings."""
+    raw = data["raw_ms"]["step"]
+    ratios = sorted(r / o for r, o in zip(raw[f"{name} | repair"], raw[f"{name} | off"]))
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
+
+
 def render(data: dict[str, Any]) -> str:
     m, s = data["machine"], data["settings"]
     gpu = data["device"] != "cpu"
@@ -219,12 +229,17 @@ def render(data: dict[str, Any]) -> str:
              f"(optimizer step: {min(s['inner_step'].values())}–{max(s['inner_step'].values())} steps; training "
              f"step: {min(s['inner_train_step'].values())}–{max(s['inner_train_step'].values())}); the repair and "
              "off arms of an optimizer run back to back (paired ratio = median over rounds of repair/off).",
-             "", "| optimizer | step off ms | step repair ms | step ratio (paired) | train step off ms | "
-             "train ratio (paired) | step overhead / train step |", "|---|---|---|---|---|---|---|"]
+             "The spread column gives the middle half (quartiles) of the per-round paired step ratios: how "
+             "far one run of this table can move on this machine.",
+             "", "| optimizer | step off ms | step repair ms | step ratio (paired) | paired spread | "
+             "train step off ms | train ratio (paired) | step overhead / train step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         a, b = r["step"], r["train_step"]
+        q1, q3 = _paired_quartiles(data, r["optimizer"])
         lines.append(f"| {r['optimizer']} | {a['off_ms']:.2f} | {a['repair_ms']:.2f} | "
-                     f"{a['ratio_of_medians']:.3f} ({a['median_paired_ratio']:.3f}) | {b['off_ms']:.1f} | "
+                     f"{a['ratio_of_medians']:.3f} ({a['median_paired_ratio']:.3f}) | {q1:.3f}–{q3:.3f} | "
+                     f"{b['off_ms']:.1f} | "
                      f"{b['ratio_of_medians']:.3f} ({b['median_paired_ratio']:.3f}) | "
                      f"{100 * r['overhead_share_of_train_step']:+.2f}% |")
     if gpu:
