@@ -46,7 +46,8 @@ def test_native_loops_run_for_sfnormuon_muon_and_fullfusion(monkeypatch):
     monkeypatch.setattr(_spectral, "fused_spectral_update", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
     for cls in (no.SFNorMuon, no.Muon, no.FullFusion):
         _run(cls=cls, steps=2)
-    assert len(ran) == 6 and all(ran)
+    _run(cls=no.FullFusion, steps=2, resolution="skip")
+    assert len(ran) == 8 and all(ran)
 
 
 def test_thread_count_does_not_change_results():

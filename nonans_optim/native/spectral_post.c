@@ -85,7 +85,8 @@ static inline __attribute__((always_inline)) void update_row_avx512_(
 
 /* The direction side, on the NS5 outputs o (hot dtype, the parameters' layout). p, z (NULL without
  * schedule-free), v (NorMuon row moments, NULL without NorMuon): per tensor; row_ok and hold as pre wrote
- * them; hp = {1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1}; gamma: the 0-d step size; scale: escalation (gate only).
+ * them (hold: bit 0 the hold rule, bit 1 "skip" — nothing written, counts kept); hp = {1-β₂ᴺ, εᴺ, λ, c,
+ * β(1-c)-1}; gamma: the 0-d step size; scale: escalation (gate only).
  * Returns 0, or 1 when scratch memory could not be allocated (nothing written). */
 int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, float **v, const int64_t *rows,
                          const int64_t *cols, const uint8_t *row_ok, const uint8_t *hold, const float *gamma,
@@ -143,7 +144,7 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
                     if (gate) vn = row_ok[base + r] ? vn : vo; /* a row that saw a bad gradient keeps its moment */
                     d = 1.0f / (sqrtf(vn) + eps);
                     if (gate) vn = finitef_(vn) ? vn : vo;
-                    v[i][r] = vn;
+                    if (!(gate && (hold[i] & 2))) v[i][r] = vn; /* "skip": used for this step, not kept */
                 }
                 inv[r] = d;
             }
@@ -162,7 +163,7 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
             }
             const float lr = gate ? *gamma * scale[sel[i]] : *gamma;
             const float lrc = lr * coef, wdf = 1.0f - lr * wd;
-            const int keep = gate && hold[i];
+            const int keep = gate && hold[i] != 0, held = gate && (hold[i] & 1);
             int64_t un_t = 0, ub_t = 0;
             /* pass B (a bf16 row is widened into the thread's row buffer first, which stays in L1) */
             for (int64_t r = r0; r < r1; r++) {
@@ -182,8 +183,8 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
                 else if (!decay) UPDATE_ROW_(1, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
                 else UPDATE_ROW_(1, 1, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
             }
-            cnt[(i * T + tid) * 2] = keep ? 0 : un_t; /* a held tensor writes nothing, so counts nothing */
-            cnt[(i * T + tid) * 2 + 1] = keep ? 0 : ub_t;
+            cnt[(i * T + tid) * 2] = held ? 0 : un_t; /* a held tensor writes nothing, so counts nothing */
+            cnt[(i * T + tid) * 2 + 1] = held ? 0 : ub_t; /* a skipped one counts what it would have written */
         }
     }
     if (gate && dense != NULL) {

@@ -168,7 +168,8 @@ static void row_update_dispatch_(const float *restrict gr, float *restrict b, fl
  * mona_hp = {α, 1-β}. raw: x receives M itself (fp32; KL-Shampoo preconditions it and the caller
  * normalises), and the passes that only serve the norm of M are skipped. Resolution (all NULL/0 under
  * "off"): as in scalar_step.c, plus row_ok (out, concatenated rows of every tensor: whether the row's
- * gradient was entirely finite; required unless "off") and hold (out, one per tensor). scale_out and
+ * gradient was entirely finite; required unless "off") and hold (out, one per tensor: bit 0 the hold
+ * rule, bit 1 a "skip" tensor that had a bad entry). scale_out and
  * bad_out (out, optional, one per tensor): the spike guard's scale of g and the count of non-finite
  * gradient entries (0 under "off"). Returns 0, or 1 when scratch memory could not be allocated (nothing
  * written). */
@@ -192,7 +193,8 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
     int *trig = calloc((size_t)(n + 1), sizeof(int));
     int64_t max_cols = 1;
     for (int64_t i = 0; i < n; i++) max_cols = cols[i] > max_cols ? cols[i] : max_cols;
-    float *rowbufs = malloc((size_t)(2 * T * max_cols) * sizeof(float)); /* per thread: buffer row, X row */
+    /* per thread: buffer row, X row, and MONA's two rows for a "skip" tensor (computed, never written back) */
+    float *rowbufs = malloc((size_t)(4 * T * max_cols) * sizeof(float));
     if (!part || !cnt || !new_ema || !trig || !rowbufs) { /* before anything is written */
         free(part); free(cnt); free(new_ema); free(trig); free(rowbufs);
         return 1;
@@ -207,12 +209,14 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
 #pragma omp parallel num_threads(T)
     {
         const int tid = thread_id_(), nt = thread_count_();
-        float *brow = rowbufs + 2 * tid * max_cols, *xrow = brow + max_cols;
+        float *brow = rowbufs + 4 * tid * max_cols, *xrow = brow + max_cols, *prow = xrow + max_cols,
+              *arow = prow + max_cols;
         for (int64_t i = 0; i < n; i++) {
             const int64_t R = rows[i], C = cols[i];
             const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
             const float *gi = g[i];
             float s = 1.0f;
+            int skip = 0;
             const mona_t mo = {mona_hp != NULL ? mona_hp[0] : 0.0f, mona_hp != NULL ? mona_hp[1] : 0.0f,
                                *step[i] == 1.0f};
             const mona_t *mop = mona_prev != NULL ? &mo : NULL;
@@ -264,7 +268,11 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     s = spike_((float)sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
-                if (tid == 0) hold[i] = policy == POLICY_REPAIR && recent[i] && nbad == R * C;
+                /* bit 0, hold: no finite entry and a recent event (the loop's hold_flag, under "repair" and
+                 * "skip"); bit 1, "skip" with a bad entry: the whole step is computed and counted, and
+                 * neither the parameter nor any state is written (the loop's snapshot restore). */
+                skip = policy == POLICY_SKIP && nbad > 0;
+                if (tid == 0) hold[i] = (uint8_t)((recent[i] && nbad == R * C) | (skip << 1));
                 if (tid == 0 && bad_out != NULL) bad_out[i] = nbad;
             }
             if (tid == 0 && scale_out != NULL) scale_out[i] = s;
@@ -285,9 +293,16 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             for (int64_t r = r0; r < r1; r++) {
                 char *bdst = (char *)buf[i] + (size_t)(r * C) * bsz;
                 widen_row_(bdst, buf_bf16, brow, C);
+                float *pr = pi ? pi + r * C : NULL, *ar = ai ? ai + r * C : NULL;
+                if (skip && pr != NULL) { /* MONA's rows are updated in scratch copies, then dropped */
+                    memcpy(prow, pr, (size_t)C * sizeof(float));
+                    memcpy(arow, ar, (size_t)C * sizeof(float));
+                    pr = prow;
+                    ar = arow;
+                }
                 row_update_dispatch_(gi + r * C, brow, xrow, C, s, gate && !row_ok[row_off[i] + r], one_m_mu, mu,
-                                     nesterov, inv, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL);
-                narrow_row_(brow, bdst, buf_bf16, C);
+                                     nesterov, inv, mop, pr, ar);
+                if (!skip) narrow_row_(brow, bdst, buf_bf16, C);
                 narrow_row_(xrow, (char *)x[i] + (size_t)(r * C) * xsz, x_bf16, C);
             }
         }

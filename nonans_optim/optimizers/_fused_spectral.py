@@ -9,8 +9,10 @@ time their byte traffic needs.
 
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
 "repair" and "off", contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
-bf16 or fp32 hot dtype. Anything else ("skip", fp16 NS5, CUDA) returns False and the caller runs
-``impl="compiled"``. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
+bf16 or fp32 hot dtype, under every policy. Anything else (fp16 NS5, CUDA) returns False and the caller
+runs ``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
+gradient had a bad entry): the loops compute and count such a tensor's whole step and write nothing of
+it, KL-Shampoo's damping included. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
 
 MONA is elementwise and rides in the pre loop. KL-Shampoo is matrix products: with it, pre writes the
 momentum M itself (fp32), and between the two loops each matrix is preconditioned and its factors updated
@@ -40,7 +42,7 @@ from ._fused import pointers, resolution_pointers
 __all__ = ["fused_spectral_update"]
 
 _COVERED = frozenset({"ns5", "normuon", "sf", "mona", "shampoo"})
-_POLICY = {"off": 0, "repair": 1}
+_POLICY = {"off": 0, "repair": 1, "skip": 2}
 
 
 def _member_pointers(stacks: list[torch.Tensor], buckets, n: int):
@@ -83,21 +85,27 @@ def _precondition(inputs, raws, buckets, params, grads, states, indices, group, 
     """KL-Shampoo between the loops, per matrix as impl="loop" runs it (precondition with the factors of
     the previous steps, then fold this gradient in; a bypass or an internal overflow is a "direction"
     event), then each bucket normalised into its hot-dtype NS5 input stack. The host reads here (step
-    counts, the guard's scales, the counts) are of CPU memory the pre loop has just written: no device."""
+    counts, the guard's scales, the counts) are of CPU memory the pre loop has just written: no device.
+    Under "skip" a tensor with a bad gradient entry keeps its damping (the loop restores all its state; the
+    factors do not move anyway, since that gradient is not an observation)."""
     gate = ctx["resolution"] is not None
+    skip = gate and ctx["resolution"].policy == "skip"
     dense = dense_counts(ctx, params[0].device) if gate else None
     direction = STAGE_INDEX["direction"]
     for X, R, (members, _) in zip(inputs, raws, buckets):
         for j, i in enumerate(members):
             st, shape = states[i], matrix_shape(params[i])
+            damping = st["kl_damping"].clone() if skip and bad[i] > 0 else None
             P, bypassed = kl_shampoo_precondition(st, R[j])
             R[j].copy_(P)
             g = grads[i].reshape(shape)
             if scale[i] != 1.0:  # the spike guard fired: the factors see the rescaled gradient, as in the loop
                 g = g * scale[i]
-            ok = torch.tensor(bad[i] == 0)
-            internal_bad = kl_shampoo_update_(st, g, ok, int(st["step"]), beta=group["shampoo_beta"],
+            internal_bad = kl_shampoo_update_(st, g, torch.tensor(bad[i] == 0), int(st["step"]),
+                                              beta=group["shampoo_beta"],
                                               refresh_every=group["shampoo_refresh_every"])
+            if damping is not None:
+                st["kl_damping"].copy_(damping)
             if gate:
                 dense[indices[i], direction, 1] += (internal_bad | bypassed).to(torch.int64)
         X.copy_(normalise(R))

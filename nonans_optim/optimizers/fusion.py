@@ -63,7 +63,7 @@ class Fusion(NonansOptimizer):
             elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
             "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; on
             CUDA the scalar (AdamW) tensors take the Triton step of :mod:`._fused_triton`; spectral groups
-            they do not cover — "skip", CUDA — run "compiled").
+            they do not cover — CUDA, fp16 NS5 — run "compiled").
     """
 
     _impls = ("loop", "foreach", "compiled", "fused")
