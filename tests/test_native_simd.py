@@ -3,8 +3,8 @@ spectral update) against the portable build (``NONANS_NATIVE_SIMD=portable``): t
 op, so every parameter, state buffer and event count must be bit-identical — over test_fused.py's fault
 sequence (NaN, ±Inf, a g² overflow, the hold rule, a spike the guard rescales, the pre-pass path), under
 every policy, with the guard on and off, one and two threads, both branches of the lerp formula; over
-test_fused_spectral.py's for SF-NorMuon, Muon and FullFusion; and with updates that overflow to ±Inf and
-NaN inside the step (the update stage's NaN/Inf split). test_fused.py and test_fused_spectral.py already
+test_fused_spectral.py's for SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that
+overflow to ±Inf and NaN inside the step (the update stage's NaN/Inf split). test_fused.py and test_fused_spectral.py already
 compare each build with impl="loop" within tolerances; this pins down that the fast path changed nothing.
 
 Each build runs in its own subprocess (the library is loaded once per process) and saves its results.
@@ -66,6 +66,8 @@ for cls in ("SFNorMuon", "Muon", "FullFusion"):
     for threads in (1, 2):
         params, opt = spectral_run(cls=getattr(no, cls), threads=threads)
         out[(cls, threads)] = (params, opt.state_dict())
+    params, opt = spectral_run(cls=getattr(no, cls), resolution="skip")
+    out[(cls, "skip")] = (params, opt.state_dict())
 for cls in ("AdamW", "SFAdamW", "SFNorMuon", "Muon"):
     for policy in ("repair", "off"):
         params, opt = overflow_run(cls, policy)
