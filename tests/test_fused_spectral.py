@@ -86,3 +86,30 @@ def test_update_is_invariant_to_the_gradient_scale(scale):
     for p, q in zip(ref, got):
         assert torch.isfinite(q).all()
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+def test_skip_keeps_kl_damping_of_a_skipped_tensor():
+    """Under "skip" the loop restores all of a bad-gradient tensor's state, KL-Shampoo's damping included —
+    which the preconditioner grows when it bypasses (here: an infinite eigenvalue makes its inverse root
+    zero). The fused path must put the damping back the same way, and leave it to grow on clean steps."""
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(0.1 * torch.randn(s)) for s in SHAPES[:3]]
+        opt = no.FullFusion([{"params": ps, "path": "spectral"}], lr=1e-2, impl=impl, resolution="skip",
+                            ns5_dtype="fp32")
+        gen = torch.Generator().manual_seed(1)
+        damping = []
+        for t in range(4):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if t == 1:
+                opt.state[ps[0]]["kl_eigvals_left"][0] = float("inf")  # the next preconditioning bypasses
+                ps[0].grad[2, 2] = float("nan")  # ... on a step that "skip" discards for this tensor
+            opt.step()
+            damping.append(float(opt.state[ps[0]]["kl_damping"]))
+        assert damping[1] == damping[0] < damping[3], (impl, damping)  # put back, then grown on clean steps
+        runs.append((ps, opt, damping))
+    (ref, ref_opt, ref_d), (got, got_opt, got_d) = runs
+    assert ref_d == got_d
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
