@@ -1,9 +1,9 @@
 """``python -m experiments overhead`` — what ``resolution="repair"`` costs on clean steps (issue 3).
 
 For every optimizer (AdamW foreach, compiled and fused — the last also without the spike guard —, SFAdamW
-foreach and fused, SFNorMuon foreach, compiled and fused, FullFusion foreach and fused, Muon foreach and
-fused) two arms that differ only in the policy, "repair" and "off", run side by side in interleaved rounds
-(warm-up first, medians):
+foreach and fused — again also without the guard —, SFNorMuon foreach, compiled and fused, FullFusion
+foreach and fused, Muon foreach and fused) two arms that differ only in the policy, "repair" and "off",
+run side by side in interleaved rounds (warm-up first, medians):
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
 * a whole training step of a small transformer (forward, backward, step) on a fixed batch.
@@ -47,6 +47,8 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
                                                                 impl="fused", spike_factor=None),
     "SFAdamW": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol),
     "SFAdamW (fused)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
+    "SFAdamW (fused, spike_factor=None)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol,
+                                                                    impl="fused", spike_factor=None),
     "SFNorMuon": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol),
     "SFNorMuon (compiled)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
                                                         impl="compiled"),

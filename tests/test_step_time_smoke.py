@@ -50,7 +50,7 @@ def test_step_time_quick(tmp_path):
 def test_overhead_quick(tmp_path):
     data = _run("overhead", tmp_path)
     expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=None)",
-                "SFAdamW", "SFAdamW (fused)", "SFNorMuon", "SFNorMuon (compiled)", "SFNorMuon (fused)",
+                "SFAdamW", "SFAdamW (fused)", "SFAdamW (fused, spike_factor=None)", "SFNorMuon", "SFNorMuon (compiled)", "SFNorMuon (fused)",
                 "FullFusion", "FullFusion (fused)", "Muon", "Muon (fused)"]
     assert [r["optimizer"] for r in data["rows"]] == expected
     for r in data["rows"]:
