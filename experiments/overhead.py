@@ -289,10 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render_only:
         out = Path(args.out) if args.out else ROOT / "results" / "overhead.json"
-        data = json.loads(out.read_text())
-        gpu = data["device"] != "cpu"
-        title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + " (issue 3)"
-        publish(data, out, render(data), args.results_md, "overhead-gpu" if gpu else "overhead", title)
+        _publish(json.loads(out.read_text()), out, args.results_md)
         return 0
     args.rounds = args.rounds or (2 if args.quick else 15)
     args.warmup = args.warmup or (2 if args.quick else 3)
@@ -302,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu = data["device"] != "cpu"
     out = Path(args.out) if args.out else ROOT / "results" / ("overhead_cuda.json" if gpu else "overhead.json")
     data["json"] = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)
-    title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + " (issue 3)"
-    publish(data, out, render(data), args.results_md, "overhead-gpu" if gpu else "overhead", title)
+    _publish(data, out, args.results_md)
     return 0
+
+
+def _publish(data: dict[str, Any], out: Path, results_md: str) -> None:
+    """The JSON to ``out`` and the table into RESULTS.md's CPU or GPU section (a run, or --render-only)."""
+    gpu = data["device"] != "cpu"
+    title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + " (issue 3)"
+    publish(data, out, render(data), results_md, "overhead-gpu" if gpu else "overhead", title)

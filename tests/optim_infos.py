@@ -34,7 +34,7 @@ INFOS = [
               ("momentum_buffer", "mona_prev_grad", "mona_diff_avg", "exp_avg", "exp_avg_sq")),
 ]
 # The native fused loops (impl="fused", nonans_optim/native) through the whole generic suite as well, for
-# the optimizers they cover ("skip" falls back to impl="compiled", which the suite then checks too).
+# the optimizers they cover, under every policy.
 FUSED = ("AdamW", "SFAdamW", "Muon", "SFNorMuon", "FullFusion", "Fusion-mona")
 INFOS += [OptimInfo(f"{i.name}-fused", i.cls, {**i.kwargs, "impl": "fused"}, i.moment_keys, i.schedule_free)
           for i in INFOS if i.name in FUSED]

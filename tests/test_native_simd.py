@@ -4,8 +4,9 @@ op, so every parameter, state buffer and event count must be bit-identical — o
 sequence (NaN, ±Inf, a g² overflow, the hold rule, a spike the guard rescales, the pre-pass path), under
 every policy, with the guard on and off, one and two threads, both branches of the lerp formula; over
 test_fused_spectral.py's for SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that
-overflow to ±Inf and NaN inside the step (the update stage's NaN/Inf split). test_fused.py and test_fused_spectral.py already
-compare each build with impl="loop" within tolerances; this pins down that the fast path changed nothing.
+overflow to ±Inf and NaN inside the step (the update stage's NaN/Inf split). test_fused.py and
+test_fused_spectral.py already compare each build with impl="loop" within tolerances; this pins down that
+the fast path changed nothing.
 
 Each build runs in its own subprocess (the library is loaded once per process) and saves its results.
 Skipped where the default build has no AVX-512 form (nothing to compare).

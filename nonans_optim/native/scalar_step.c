@@ -51,6 +51,11 @@ static inline float sumsq_portable(const float *restrict g, int64_t b0, int64_t 
 }
 
 #include "scalar_avx512.h"
+#ifdef NONANS_AVX512
+#define UPDATE_BLOCK update_block_avx512
+#else
+#define UPDATE_BLOCK update_block
+#endif
 
 /* 512 when the AVX-512 form of the loops below was compiled in (scalar_avx512.h), else 0. */
 int nonans_simd_width(void) {
@@ -152,17 +157,11 @@ static inline __attribute__((always_inline)) void update_range(
     int64_t tot[NCOUNT] = {0, 0, 0, 0, 0};
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
         const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
-#ifdef NONANS_AVX512
-#define UPDATE_BLOCK update_block_avx512
-#else
-#define UPDATE_BLOCK update_block
-#endif
         if (gate && bad != NULL && bad[b0 / BLOCK] == 0 && !hold && !keep_all)
             UPDATE_BLOCK(sf, gate, 1, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, tot);
         else
             UPDATE_BLOCK(sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
                          keep_all, tot);
-#undef UPDATE_BLOCK
     }
     if (hold) tot[3] = tot[4] = 0; /* a held tensor writes nothing, so it counts no update */
     for (int k = 0; k < NCOUNT; k++) out[k] = tot[k];

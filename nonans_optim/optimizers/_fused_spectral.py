@@ -8,8 +8,8 @@ graphs took about 14.5 ms per SF-NorMuon step against about 20.5 ms of NS5 matmu
 time their byte traffic needs.
 
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
-"repair" and "off", contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
-bf16 or fp32 hot dtype, under every policy. Anything else (fp16 NS5, CUDA) returns False and the caller
+under every policy, for contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
+bf16 or fp32 hot dtype. Anything else (fp16 NS5, CUDA) returns False and the caller
 runs ``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
 gradient had a bad entry): the loops compute and count such a tensor's whole step and write nothing of
 it, KL-Shampoo's damping included. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
