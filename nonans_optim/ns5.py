@@ -108,15 +108,21 @@ def normalise(G: torch.Tensor) -> torch.Tensor:
     1e30-scaled input and a 1e-30-scaled input land on the same bits. Step 2 divides by the norm, which is
     now ≥ 0.5 for any non-zero matrix and cannot overflow (≤ sqrt(numel))."""
     G32 = G.float()
-    amax = G32.abs().amax(dim=(-2, -1), keepdim=True)
+    # max|G| from two read-only reductions (abs().amax() would first write |G| out in full; vector_norm
+    # with ord=inf over two dims ran 14x slower on CPU); NaN propagates through amax, amin and maximum
+    dims = (-2, -1)
+    amax = torch.maximum(G32.amax(dim=dims, keepdim=True), G32.amin(dim=dims, keepdim=True).neg())
     _, exponent = torch.frexp(amax)
     # Multiply by 2**-e as two exact power-of-two factors built on the small (..., 1, 1) tensor: a single
-    # factor overflows fp32 for e < -127, and torch.ldexp on the full matrix cost 7x more on CPU.
+    # factor overflows fp32 for e < -127, and torch.ldexp on the full matrix cost 7x more on CPU. After the
+    # first product X is this function's own buffer, so the rest runs in place (no further full-size
+    # allocations: on CPU each fresh one is page-faulted in again).
     half = torch.div(exponent, 2, rounding_mode="floor")
     one = torch.ones_like(amax)
-    X = G32 * torch.ldexp(one, -half) * torch.ldexp(one, half - exponent)
+    X = G32 * torch.ldexp(one, -half)
+    X.mul_(torch.ldexp(one, half - exponent))
     norm = torch.linalg.matrix_norm(X, keepdim=True)
-    return X / (norm + _EPS)
+    return X.div_(norm + _EPS)
 
 
 def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], *,
@@ -251,6 +257,8 @@ def ns5(
     method = _resolve_method(method, requested_backend, backend, tuple(G.shape[-2:]))
     if method == "gram":
         backend = "torch"
+    if G.numel() == 0:  # an empty matrix (or batch) is its own orthogonalisation; the max-reduction has no identity
+        return torch.empty_like(G)
 
     batch_shape = G.shape[:-2]
     X = rearrange(normalise(G), "... m n -> (...) m n")

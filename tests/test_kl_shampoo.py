@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nonans_optim.functional.kl_shampoo import (
-    ABS_EIG_FLOOR, DAMPING_GROWTH, DEFAULT_DAMPING, MAX_DAMPING, STATE_KEYS, amplification_cap,
+    ABS_EIG_FLOOR, DAMPING_GROWTH, DEFAULT_DAMPING, MAX_DAMPING, STATE_KEYS, _all_finite, amplification_cap,
     inverse_root, kl_shampoo_init_state, kl_shampoo_precondition, kl_shampoo_update_, refresh_basis)
 
 F64 = torch.float64
@@ -412,6 +412,26 @@ def test_property_finite_shape_dtype(m, n, steps, refresh_every, log_scale, dtyp
     P, _ = kl_shampoo_precondition(state, M)
     assert P.shape == M.shape and P.dtype == M.dtype
     assert torch.isfinite(P).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       faults=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10 ** 6), st.sampled_from(sorted(BAD))),
+                       max_size=4),
+       seed=st.integers(0, 2 ** 16))
+def test_all_finite_is_isfinite_all(sizes, dtype, faults, seed):
+    """The one-pass min/max verdict equals isfinite(t).all() over several tensors, whatever the mix and
+    lane positions of NaN, +Inf and -Inf (a min/max that dropped NaN in some vector lane would fail)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(k, generator=g).to(dtype) for k in sizes]
+    for which, pos, kind in faults:
+        t = tensors[which % len(tensors)]
+        if t.numel():
+            t[pos % t.numel()] = BAD[kind]
+    expected = all(bool(torch.isfinite(t).all()) for t in tensors)
+    got = _all_finite(*tensors)
+    assert got.dtype == torch.bool and got.shape == () and bool(got) == expected
 
 
 @pytest.mark.gpu

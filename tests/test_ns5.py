@@ -123,6 +123,15 @@ def test_zero_in_zero_out(method, hot, dtype, shape):
     assert torch.equal(O, torch.zeros_like(O))
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(0, 5), (4, 0), (0, 0), (0, 3, 3), (2, 0, 6)])
+def test_empty_matrix_or_batch_comes_back_empty(method, shape):
+    """Nothing to orthogonalise: same shape and dtype back (it used to fail inside the max-reduction)."""
+    G = torch.zeros(shape, dtype=torch.bfloat16)
+    O = ns5(G, method=method)
+    assert O.shape == G.shape and O.dtype == G.dtype
+
+
 def test_zero_matrix_in_a_batch_stays_zero_and_leaves_the_others_alone():
     G = torch.randn(3, 6, 9)
     G[1] = 0
