@@ -10,6 +10,7 @@ Without a model or names, an embedding is indistinguishable from a hidden matrix
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -24,8 +25,9 @@ _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 
 
 def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
-    """The 2-D view the spectral path works on: (out, in·kh·kw) for conv kernels."""
-    return (p.shape[0], p[0].numel()) if p.ndim >= 2 else (1, p.numel())
+    """The 2-D view the spectral path works on: (out, in·kh·kw) for conv kernels (from the shape, not
+    ``p[0]``, which does not exist for an empty ``out`` dimension)."""
+    return (p.shape[0], math.prod(p.shape[1:])) if p.ndim >= 2 else (1, p.numel())
 
 
 def route(p: torch.Tensor, name: str | None = None, *, pattern: str = SCALAR_NAME_PATTERN) -> str:

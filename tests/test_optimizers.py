@@ -125,6 +125,20 @@ def test_params_without_grads_are_untouched(info):
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0, 3, 3, 3)])
+def test_empty_parameters_step_beside_the_others(info, shape):
+    """An empty weight (a zero-width layer) is a no-op beside a real one, on every path: routing used to
+    index its first row to find the matrix shape and raised IndexError."""
+    empty, w = nn.Parameter(torch.zeros(shape)), nn.Parameter(torch.randn(6, 5))
+    opt = info.make([empty, w])
+    before = w.detach().clone()
+    for _ in range(3):
+        empty.grad, w.grad = torch.zeros(shape), torch.randn(6, 5)
+        opt.step()
+    assert empty.shape == shape and torch.isfinite(w).all() and not torch.equal(w, before)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
 def test_lr_scheduler_drives_the_step(info):
     models = [make_model() for _ in range(2)]
     opts = [info.make(m.named_parameters()) for m in models]
