@@ -34,6 +34,15 @@ def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.
         raise ValueError(f"Invalid {name}: {value!r} (must be in {bound})")
 
 
+def _check_int(name: str, value: Any, *, low: int = 0) -> int:
+    """``value`` as an int >= ``low``; an integral float (10.0) is accepted, 2.5 or "10" are not (int()
+    would silently truncate the one and parse the other)."""
+    ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not ok or value < low:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
+    return int(value)
+
+
 def _warmup(group: dict[str, Any], step: int) -> float:
     """Linear warmup factor min(1, t / warmup_steps) of a group (1 without warmup)."""
     warm = group.get("warmup_steps", 0)
@@ -41,6 +50,8 @@ def _warmup(group: dict[str, Any], step: int) -> float:
 
 
 def check_betas(name: str, betas: Iterable[float]) -> None:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"Invalid {name}: {betas!r} (must be a pair (beta1, beta2))")
     for i, b in enumerate(betas):
         _check_float(f"{name}[{i}]", b, high=1.0, high_open=True)
 
@@ -63,6 +74,8 @@ class NonansOptimizer(Optimizer):
         _check_float("weight_decay", defaults.get("weight_decay", 0.0))
         if "eps" in defaults:
             _check_float("eps", defaults["eps"])
+        if "warmup_steps" in defaults:
+            defaults["warmup_steps"] = _check_int("warmup_steps", defaults["warmup_steps"])
         check_policy(resolution)
         if impl not in self._impls:
             raise ValueError(f"impl must be one of {self._impls} for {type(self).__name__}, got {impl!r}")
@@ -120,6 +133,8 @@ class NonansOptimizer(Optimizer):
         self._resolution = None  # resized (counters of existing params restart) on the next step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, after checking that the checkpoint fits this optimizer (see :meth:`_check_loadable`)."""
+        self._check_loadable(state_dict)
         super().load_state_dict(state_dict)
         self._restore_buffer_dtypes(state_dict)
         self._resolution = None
@@ -130,6 +145,38 @@ class NonansOptimizer(Optimizer):
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
                 st["resolution"] = {k: v.to(device) for k, v in st["resolution"].items()}
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise, before anything is replaced, when ``state_dict`` was saved by another optimizer or
+        configuration: torch's own load checks only the group and parameter counts, so an AdamW checkpoint
+        loaded into FullFusion (or SF-NorMuon's into FullFusion) used to replace the state and then fail
+        with a KeyError inside the next step(), the optimizer's own state already gone. Counts that do not
+        match are left to torch's error. Extra keys are allowed (they are carried, not used)."""
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            return
+        name = type(self).__name__
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved.get("params", ())) != len(group["params"]):
+                return
+            missing = sorted(k for k in self.defaults if k not in saved)
+            if missing:
+                raise ValueError(f"this state_dict does not fit {name}: its param group {i} has no {missing} "
+                                 "(was it saved by another optimizer?)")
+            merged = {**saved, "params": group["params"]}
+            for j, (pid, p) in enumerate(zip(saved["params"], group["params"])):
+                st = state_dict.get("state", {}).get(pid)
+                if not st:
+                    continue
+                lacking = sorted(self._state_keys(merged, j, torch.empty_like(p, device="meta")) - set(st))
+                if lacking:
+                    raise ValueError(f"this state_dict does not fit {name}: the state of parameter {j} of "
+                                     f"group {i} (shape {tuple(p.shape)}) has no {lacking} (was it saved by "
+                                     "another optimizer, or with other components?)")
+
+    def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
+        """The state keys a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor)."""
+        raise NotImplementedError
 
     def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
         """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept

@@ -14,12 +14,22 @@ from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tenso
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
 @pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(lr=float("nan")), dict(lr=float("inf")),
-                                 dict(weight_decay=-0.1), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1))])
+                                 dict(weight_decay=-0.1), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+                                 dict(betas=(0.9,)), dict(betas=(0.9, 0.99, 0.999)), dict(warmup_steps=-1),
+                                 dict(warmup_steps=2.5), dict(warmup_steps="10")])
 def test_bad_hyperparameters_raise_naming_the_argument(info, bad):
     model = make_model()
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         info.make(model.parameters(), **bad)
+
+
+@pytest.mark.parametrize("bad", [dict(ns_steps=0), dict(ns_steps=1.5), dict(shampoo_refresh_every=0),
+                                 dict(ns5_dtype="int8"), dict(ns5_dtype=torch.int32)])
+def test_bad_spectral_hyperparameters_raise_at_construction(bad):
+    """Caught where the typo is made, not at the first step()."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        no.FullFusion(make_model().parameters(), **bad)
 
 
 def test_unknown_component_is_named():
@@ -110,6 +120,40 @@ def test_state_dict_resume_is_bit_identical(info):
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert ref.metrics() == resumed.metrics()
+
+
+@pytest.mark.parametrize("src", INFOS[:6], ids=IDS[:6])
+@pytest.mark.parametrize("dst", INFOS[:6], ids=IDS[:6])
+def test_state_dict_of_another_optimizer_is_refused_before_anything_changes(src, dst):
+    """A checkpoint saved by another optimizer (or other components) is refused by load_state_dict,
+    naming what is missing, with the loading optimizer's state and hyperparameters untouched. torch's own
+    load would swap the state in and fail with a KeyError at the next step(). Loading one's own kind
+    continues; a checkpoint that has more state than needed (FullFusion's into SF-NorMuon) is accepted."""
+    model = make_model()
+    a, b = src.make(model.named_parameters()), dst.make(model.named_parameters())
+    train_steps(model, a, 2)
+    train_steps(model, b, 2)
+    saved, before = a.state_dict(), copy.deepcopy(b.state_dict())
+    fits = (all(set(before["state"][i]) <= set(saved["state"].get(i, {})) for i in before["state"] if i != "nonans")
+            and all(k in g for g in saved["param_groups"] for k in b.defaults))
+    if fits:
+        b.load_state_dict(saved)
+        train_steps(model, b, 1)
+        return
+    with pytest.raises(ValueError, match="does not fit"):
+        b.load_state_dict(saved)
+    assert _same(b.state_dict(), before)
+
+
+def _same(x, y) -> bool:
+    """Deep equality of state_dict trees (tensors bit for bit)."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    return x == y
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)

@@ -21,6 +21,9 @@ class _ScalarOnly(NonansOptimizer):
     _sf = False
     _impls = ("loop", "foreach", "compiled", "fused")
 
+    def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
+        return frozenset(scalar_init_state(p, sf=self._sf))
+
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         params, grads, states, indices = [], [], [], []
         found = self._gradients(group, ctx)
@@ -58,7 +61,7 @@ class AdamW(_ScalarOnly):
                  resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0):
         check_betas("betas", betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        warmup_steps=int(warmup_steps))
+                        warmup_steps=warmup_steps)
         super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
 
 
@@ -80,7 +83,7 @@ class SFAdamW(_ScalarOnly):
             raise ValueError(f"Invalid betas[0]: {betas[0]} (the schedule-free interpolation weight must be > 0:"
                              " rebuilding x divides by it)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        warmup_steps=int(warmup_steps), sf_beta=float(betas[0]), sf_weight_sum=0.0)
+                        warmup_steps=warmup_steps, sf_beta=float(betas[0]), sf_weight_sum=0.0)
         super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
 
     @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._base import NonansOptimizer, check_betas, _check_float
+from .._base import NonansOptimizer, _check_float, _check_int, check_betas
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
 from ..resolution import STAGE_INDEX, inspect
@@ -92,16 +92,22 @@ class Fusion(NonansOptimizer):
             raise ValueError(f"Invalid mona_alpha: {mona_alpha!r}")
         if "sf" in comps and (sf_beta <= 0 or betas[0] <= 0):
             raise ValueError("schedule-free needs sf_beta > 0 and betas[0] > 0 (x is rebuilt by dividing by β)")
-        if int(ns_steps) < 1 or int(shampoo_refresh_every) < 1:
-            raise ValueError("ns_steps and shampoo_refresh_every must be >= 1")
+        ns_steps = _check_int("ns_steps", ns_steps, low=1)
+        shampoo_refresh_every = _check_int("shampoo_refresh_every", shampoo_refresh_every, low=1)
+        try:  # resolve the name now, not at the first step(): a typo should fail where it was made
+            hot = hot_dtype("cpu", ns5_dtype)
+        except ValueError as err:
+            raise ValueError(f"Invalid ns5_dtype: {err}") from None
+        if not hot.is_floating_point:
+            raise ValueError(f"Invalid ns5_dtype: {ns5_dtype!r} (NS5 needs a floating-point dtype)")
         self.components = comps
         self._schedule_free = "sf" in comps
         self._uses_polyak = bool(polyak)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         betas=tuple(betas), eps=eps, sf_beta=sf_beta, normuon_beta2=normuon_beta2,
                         normuon_eps=normuon_eps, mona_alpha=float(mona_alpha), mona_beta=mona_beta,
-                        shampoo_beta=shampoo_beta, shampoo_refresh_every=int(shampoo_refresh_every),
-                        ns_steps=int(ns_steps), ns5_dtype=ns5_dtype, warmup_steps=int(warmup_steps),
+                        shampoo_beta=shampoo_beta, shampoo_refresh_every=shampoo_refresh_every,
+                        ns_steps=ns_steps, ns5_dtype=ns5_dtype, warmup_steps=warmup_steps,
                         momentum_dtype=momentum_dtype, path=None)
         if "sf" in comps:
             defaults["sf_weight_sum"] = 0.0
@@ -142,6 +148,15 @@ class Fusion(NonansOptimizer):
             # dict entry would make the step assemble all P×S entries on the host.
             dense_counts(ctx, l1.device)[0, STAGE_INDEX["loss"]] += counts
 
+    def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
+        return frozenset(self._init_state(group, j, p))
+
+    def _init_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        comps = self.components
+        if self._path_of(group, j, p) == "spectral":
+            return spectral_init_state(p, comps, _momentum_dtype(group, p))
+        return scalar_init_state(p, sf="sf" in comps)
+
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         comps = self.components
         lists = {"spectral": ([], [], [], []), "scalar": ([], [], [], [])}
@@ -152,8 +167,7 @@ class Fusion(NonansOptimizer):
             path = self._path_of(group, j, p)
             st = self.state[p]
             if not st:
-                st.update(spectral_init_state(p, comps, _momentum_dtype(group, p)) if path == "spectral"
-                          else scalar_init_state(p, sf="sf" in comps))
+                st.update(self._init_state(group, j, p))
             for lst, item in zip(lists[path], (p, found[j], st, ctx["index"] + j)):
                 lst.append(item)
         if not (lists["spectral"][0] or lists["scalar"][0]):
