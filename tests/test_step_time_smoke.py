@@ -40,7 +40,7 @@ def test_step_time_quick(tmp_path):
     assert names | set(data["skipped"]) >= ours  # every arm is either measured or reported as skipped
     for r in data["arms"]:
         assert r["rounds"] == 2
-        assert all(_finite_positive(r[k]) for k in ("median_ms", "min_ms", "max_ms", "vs_fused_adamw")), r
+        assert all(_finite_positive(r[k]) for k in ("median_ms", "mean_ms", "min_ms", "max_ms", "vs_fused_adamw")), r
         assert r["state_bytes_per_param"] > 0
     assert _finite_positive(data["matmul_gflops"]["bf16"]) and _finite_positive(data["ns5_floor_ms"]["bf16"])
     assert {t["target"].split(" ")[0] for t in data["targets"]} >= {"SFNorMuon", "AdamW"}
