@@ -11,22 +11,29 @@ so step 1 adds no spurious α·G₁ kick (FusionOpt starts it at zero).
 Resolution: an entry where G is not finite is a missing observation. MONA keeps both of its buffers
 (G_prev and A) at their previous values there; the momentum lerp gets G̃ := B at that entry, which leaves B
 exactly unchanged (lerp(B, B, w) = B in IEEE arithmetic) and gives the Nesterov combination a finite input,
-so the step continues from the momentum. Clean entries see the stock arithmetic, bit for bit.
+so the step continues from the momentum. A finite G can still overflow a buffer: lerp(a, b, w) = a + w(b - a)
+overflows in b - a when a and b are huge and of opposite signs (G = +3e38 after B = -3e37). Under the gate
+both A and B keep their previous value wherever their new value (as stored) is not finite, and those
+entries are returned as a count for the "moment" stage; M may then be non-finite, which the direction
+stage contains. Clean entries see the stock arithmetic, bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
+from ..resolution import finite_mask
+
 __all__ = ["mona_", "momentum_"]
 
 
 def mona_(g: torch.Tensor, prev_grad: torch.Tensor, diff_avg: torch.Tensor, ok: torch.Tensor | None, *,
-          alpha: float, beta: float, first: bool) -> torch.Tensor:
-    """Return G̃ = G + α·A and update (prev_grad, diff_avg) in place.
+          alpha: float, beta: float, first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return (G̃ = G + α·A, overflow count) and update (prev_grad, diff_avg) in place.
 
-    ``ok`` is the finiteness mask of ``g`` (None when resolution is off). Where ``ok`` is False both
-    buffers keep their values and G̃ is NaN-free only where G was; the caller's momentum gate then
-    substitutes the momentum for it."""
+    ``ok`` is the finiteness mask of ``g`` (None when resolution is off: no gates, count None). Where
+    ``ok`` is False both buffers keep their values and G̃ is NaN-free only where G was; the caller's
+    momentum gate then substitutes the momentum for it. Where the new A is not finite although G was (an
+    overflow in G - G_prev or in the lerp), A keeps its value; the count (0-d int64) is of those entries."""
     if first:
         prev_grad.copy_(g if ok is None else torch.where(ok, g, torch.zeros_like(g)))
     diff = g - prev_grad
@@ -34,24 +41,30 @@ def mona_(g: torch.Tensor, prev_grad: torch.Tensor, diff_avg: torch.Tensor, ok: 
     if ok is None:
         diff_avg.copy_(new_avg)
         prev_grad.copy_(g)
-    else:
-        diff_avg.copy_(torch.where(ok, new_avg, diff_avg))
-        prev_grad.copy_(torch.where(ok, g, prev_grad))
-    return g.add(diff_avg, alpha=alpha)
+        return g.add(diff_avg, alpha=alpha), None
+    keep = ok & finite_mask(new_avg)
+    overflow = torch.count_nonzero(ok) - torch.count_nonzero(keep)
+    diff_avg.copy_(torch.where(keep, new_avg, diff_avg))
+    prev_grad.copy_(torch.where(ok, g, prev_grad))
+    return g.add(diff_avg, alpha=alpha), overflow
 
 
 def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu: float,
-              nesterov: bool) -> torch.Tensor:
-    """Update ``buf`` (momentum_buffer) in place and return the direction input M.
+              nesterov: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Update ``buf`` (momentum_buffer) in place and return (the direction input M, overflow count).
 
     A buffer stored in a narrower dtype than ``g`` (``momentum_dtype="bf16"``) is updated in g's dtype and
     rounded once on the write; M uses the unrounded new value. The missing-observation gate still leaves it
-    exactly unchanged: lerp(b, b, w) = b, and b is representable in the buffer's dtype."""
-    if buf.dtype != g.dtype:
-        g_in = g if ok is None else torch.where(ok, g, buf.to(g.dtype))
-        new = buf.to(g.dtype).lerp(g_in, 1 - mu)
-        buf.copy_(new)
-        return g_in.lerp(new, mu) if nesterov else new
-    g_in = g if ok is None else torch.where(ok, g, buf)
-    buf.lerp_(g_in, 1 - mu)
-    return g_in.lerp(buf, mu) if nesterov else buf.clone()
+    exactly unchanged: lerp(b, b, w) = b, and b is representable in the buffer's dtype. With the gate
+    (``ok`` given), an entry whose new value is not finite as stored keeps the old one (M then uses the old
+    value too), counted (0-d int64); without it the count is None."""
+    wide = buf.to(g.dtype) if buf.dtype != g.dtype else buf
+    g_in = g if ok is None else torch.where(ok, g, wide)
+    new = torch.lerp(wide, g_in, 1 - mu)
+    overflow = None
+    if ok is not None:
+        kept = finite_mask(new.to(buf.dtype))
+        overflow = new.numel() - torch.count_nonzero(kept)
+        new = torch.where(kept, new, wide)
+    buf.copy_(new)
+    return (g_in.lerp(new, mu) if nesterov else new), overflow  # new is never buf itself

@@ -102,11 +102,15 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
             holds.append(hold_flag(ctx, idx, counts, G.numel()))
             if snapshot is not None or "shampoo" in comps:
                 tensor_ok = counts.sum() == 0
+        overflow = None
         if "mona" in comps:
-            G = mona_(G, st["mona_prev_grad"].view(shape), st["mona_diff_avg"].view(shape), ok,
-                      alpha=group["mona_alpha"], beta=group["mona_beta"], first=int(st["step"]) == 1)
-        M = momentum_(G, st["momentum_buffer"].view(shape), ok, mu=group["momentum"],
-                      nesterov=group["nesterov"])
+            G, overflow = mona_(G, st["mona_prev_grad"].view(shape), st["mona_diff_avg"].view(shape), ok,
+                                alpha=group["mona_alpha"], beta=group["mona_beta"], first=int(st["step"]) == 1)
+        M, buf_overflow = momentum_(G, st["momentum_buffer"].view(shape), ok, mu=group["momentum"],
+                                    nesterov=group["nesterov"])
+        if repair:  # buffers that overflowed with a finite gradient kept their values: the moment stage
+            overflow = buf_overflow if overflow is None else overflow + buf_overflow
+            record(ctx, idx, "moment", torch.stack((torch.zeros_like(overflow), overflow)))
         if "shampoo" in comps:
             from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
             # The paper's order (yorkerlin/KL-Methods kl_opt.py): precondition with the factors of the
