@@ -115,9 +115,14 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
     else:
         g_in = torch.where(g_ok, g, m) if gate else g  # lerp(m, m, w) = m: m keeps its value there
         m_new = torch.lerp(m, g_in, one_m_b1)
+    m_over = None
     if gate:
         v_ok = finite_mask(v_new)
         v_new = torch.where(v_ok, v_new, v)
+        if not sf:  # g - m inside the lerp can overflow with both finite (functional/adam.py)
+            m_ok = finite_mask(m_new)
+            m_over = count(~m_ok)
+            m_new = torch.where(m_ok, m_new, m)
     denom = torch.sqrt(v_new / bc2) + eps
     d = m_new / denom if sf else (m_new / bc1) / denom
     if sf:
@@ -133,6 +138,8 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
     if gate:
         g_nan, g_bad = nonfinite_counts(g_raw)
         overflow = count(g_ok & ~v_ok)  # new v overflowed fp32 with a finite g (the loop's moment stage)
+        if m_over is not None:
+            overflow = overflow + m_over
         # The update guard as _common._guarded_write: keep the old value where the new one is not finite
         # or the tensor is held (_common.hold_flag: a persistent whole-tensor loss); a held tensor writes
         # nothing, so it counts nothing. Counting the unheld y_new keeps the count in the writing loop.

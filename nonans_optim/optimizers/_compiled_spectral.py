@@ -31,7 +31,7 @@ from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..resolution import finite_mask
 from ..routing import matrix_shape
-from ._compiled import (compile_available, compiled, guard_spikes, host_steps, nonfinite_counts,
+from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
                         report_failure, resolution_args, stage_rows)
 
 __all__ = ["compiled_spectral_update", "supports"]
@@ -57,24 +57,27 @@ def _normalised(M: torch.Tensor, hot: torch.dtype) -> torch.Tensor:
 
 def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool, factor, nesterov: bool,
          mona: bool, ns5: bool, hot: torch.dtype):
-    """Momentum side of the step. Returns (NS5 inputs per bucket, grad counts (n, 2) and spike rows or
-    None, hold flags (n,) or None). hp = [1-μ, μ, 1-β_a, α]."""
+    """Momentum side of the step. Returns (NS5 inputs per bucket, (grad counts (n, 2), spike rows or None,
+    moment-overflow counts (n, 2)) or None, hold flags (n,) or None). hp = [1-μ, μ, 1-β_a, α]."""
     one_m_mu, mu, one_m_ba, alpha = hp[0], hp[1], hp[2], hp[3]
     scales = rows = None
     if gate:
         _, recent, ema, _ = res
         scales, rows = guard_spikes(grads, ema, sel, factor)
-    Ms, g_counts = [], []
+    Ms, g_counts, m_counts = [], [], []
     for i, g_raw in enumerate(grads):
         G = g_raw * scales[i].to(g_raw.dtype) if scales is not None else g_raw
         ok = finite_mask(g_raw) if gate else None
+        overflow = None
         if mona:
             prev, davg = prevs[i], davgs[i]
             start = torch.where(ok, G, torch.zeros_like(G)) if gate else G
             prev_eff = torch.where(first[i], start, prev)
             new_avg = torch.lerp(davg, G - prev_eff, one_m_ba)
-            if gate:
-                new_avg = torch.where(ok, new_avg, davg)
+            if gate:  # missing entry, or an overflow with a finite G (functional/momentum.py): A keeps its value
+                keep_avg = ok & finite_mask(new_avg)
+                overflow = count(ok & ~keep_avg)
+                new_avg = torch.where(keep_avg, new_avg, davg)
                 prev.copy_(torch.where(ok, G, prev_eff))
             else:
                 prev.copy_(G)
@@ -83,11 +86,17 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
         buf = bufs[i].to(G.dtype)  # a bf16 buffer (momentum_dtype="bf16"): fp32 update, rounded on the write
         g_in = torch.where(ok, G, buf) if gate else G
         new_buf = torch.lerp(buf, g_in, one_m_mu)
+        if gate:  # finite as stored, else the old value (an overflow inside the lerp)
+            buf_ok = finite_mask(new_buf.to(bufs[i].dtype))
+            over_buf = count(~buf_ok)
+            overflow = over_buf if overflow is None else overflow + over_buf
+            new_buf = torch.where(buf_ok, new_buf, buf)
         bufs[i].copy_(new_buf)
         Ms.append(torch.lerp(g_in, new_buf, mu) if nesterov else new_buf)
         if gate:
             g_nan, g_bad = nonfinite_counts(g_raw)
             g_counts.append(torch.stack((g_nan, g_bad - g_nan)))
+            m_counts.append(torch.stack((torch.zeros_like(overflow), overflow)))
     inputs = []
     for members, _ in buckets:
         X = torch.stack([Ms[i].float() for i in members])
@@ -97,7 +106,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
     gc = torch.stack(g_counts)
     hold = recent.index_select(0, sel) & (gc.sum(-1) == torch.tensor([g.numel() for g in grads],
                                                                       device=gc.device))
-    return inputs, (gc, rows), hold
+    return inputs, (gc, rows, torch.stack(m_counts)), hold
 
 
 def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, buckets, *, gate: bool,
@@ -174,8 +183,8 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
             z.copy_(torch.where(finite_mask(z_new) & ~keep, z_new, z))
         upd.append(torch.stack((torch.where(keep, zero, u_nan), torch.where(keep, zero, u_bad - u_nan))))
     if gate:
-        gc, spike = pre_counts
-        per_stage = {"grad": gc, "direction": torch.stack(dir_counts), "update": torch.stack(upd)}
+        gc, spike, mc = pre_counts
+        per_stage = {"grad": gc, "moment": mc, "direction": torch.stack(dir_counts), "update": torch.stack(upd)}
         if spike is not None:
             per_stage["spike"] = spike
         res[3].index_add_(0, sel, stage_rows(per_stage, n, sel.device))
