@@ -26,6 +26,8 @@ def _grads(step: int, shapes, gen):
         gs[0][0, 0], gs[0][1, 2] = float("nan"), float("inf")  # a partial fault
     if step == 2:
         gs[1][:] = float("-inf")  # a whole tensor
+    if step in (2, 3):  # finite; m's lerp overflows on step 3 (g - m): the "moment" stage
+        gs[0][3, 2] = -3.3e38 if step == 2 else 3.3e38
     if step == 3:
         gs[0][2, 1] = 3e38  # finite gradient whose square overflows fp32: the "moment" stage
     return gs

@@ -1,7 +1,7 @@
 """impl="fused" on the scalar path (the native C loop of nonans_optim/native) against impl="loop", the
 ground truth; tests/test_fused_spectral.py does the spectral path.
 
-Each case injects NaN, ±Inf, a g² overflow, a whole-tensor loss that repeats (the hold rule) and a finite
+Each case injects NaN, ±Inf, a g² overflow, a first moment overflowing in its lerp, a whole-tensor loss that repeats (the hold rule) and a finite
 spike (the spike guard), on tensors large enough that both threads of the C loop get a share, and compares
 parameters, every state buffer and the event counts. The native record_step is compared with the torch
 one on random count sequences. The generic suites (tests/test_optimizers.py, tests/test_resolution.py)
@@ -35,6 +35,8 @@ def _grads(step: int, gen):
         gs[0][0, 0], gs[0][150, 2], gs[0][299, 69] = float("nan"), float("inf"), float("-inf")
     if step in (2, 3):
         gs[1][:] = float("nan") if step == 2 else float("-inf")  # whole tensor, twice: hold on step 3
+        # finite, but -3.3e38 then +3.3e38: g - m inside m's lerp overflows on step 3 (the "moment" stage)
+        gs[0][10, 5] = -3.3e38 if step == 2 else 3.3e38
     if step == 4:
         gs[2][2, 1] = 3e38  # finite, but its square overflows fp32: the "moment" stage
     if step == 5:

@@ -32,6 +32,8 @@ def _run(impl="fused", *, threads=2, scale=1.0, steps=6, inject=True, cls=no.SFN
                     p.grad[0, 3], p.grad[5, 5] = float("nan"), float("inf")
                 if inject and t in (2, 3) and i == 3:
                     p.grad.fill_(float("nan"))  # twice in a row: the hold rule on the second
+                if inject and t in (2, 3) and i == 1:  # finite; the momentum (and MONA's) lerp overflows
+                    p.grad[3, 7] = -3.3e38 if t == 2 else 3.3e38
                 if inject and t == 4 and i == 2:
                     p.grad *= 1e4  # a finite spike: the guard fires
             opt.step()

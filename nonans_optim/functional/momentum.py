@@ -13,9 +13,10 @@ Resolution: an entry where G is not finite is a missing observation. MONA keeps 
 exactly unchanged (lerp(B, B, w) = B in IEEE arithmetic) and gives the Nesterov combination a finite input,
 so the step continues from the momentum. A finite G can still overflow a buffer: lerp(a, b, w) = a + w(b - a)
 overflows in b - a when a and b are huge and of opposite signs (G = +3e38 after B = -3e37). Under the gate
-both A and B keep their previous value wherever their new value (as stored) is not finite, and those
-entries are returned as a count for the "moment" stage; M may then be non-finite, which the direction
-stage contains. Clean entries see the stock arithmetic, bit for bit.
+such an entry is a missing observation for that buffer: A, or B, keeps its previous value wherever the new
+one (as stored) is not finite — and for B the direction input there is the old B, as for a missing G, so M
+stays finite — and those entries are returned as a count for the "moment" stage. Clean entries see the
+stock arithmetic, bit for bit.
 """
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu
     A buffer stored in a narrower dtype than ``g`` (``momentum_dtype="bf16"``) is updated in g's dtype and
     rounded once on the write; M uses the unrounded new value. The missing-observation gate still leaves it
     exactly unchanged: lerp(b, b, w) = b, and b is representable in the buffer's dtype. With the gate
-    (``ok`` given), an entry whose new value is not finite as stored keeps the old one (M then uses the old
-    value too), counted (0-d int64); without it the count is None."""
+    (``ok`` given), an entry whose new value is not finite as stored is a missing observation too: the
+    buffer keeps its value and M there is the old value (the lerp of b with itself), counted (0-d int64);
+    without the gate the count is None."""
     wide = buf.to(g.dtype) if buf.dtype != g.dtype else buf
     g_in = g if ok is None else torch.where(ok, g, wide)
     new = torch.lerp(wide, g_in, 1 - mu)
@@ -66,5 +68,6 @@ def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu
         kept = finite_mask(new.to(buf.dtype))
         overflow = new.numel() - torch.count_nonzero(kept)
         new = torch.where(kept, new, wide)
+        g_in = torch.where(kept, g_in, wide)  # lerp(b, b, μ) = b: M continues from the old buffer there
     buf.copy_(new)
     return (g_in.lerp(new, mu) if nesterov else new), overflow  # new is never buf itself

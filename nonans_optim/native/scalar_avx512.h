@@ -33,6 +33,11 @@ static inline __attribute__((always_inline)) void arith_(
         const __mmask16 vbad = _mm512_fpclass_ps_mask(vn, NONFINITE_) & lm;
         vn = _mm512_mask_blend_ps(vbad, vn, vo);
         *vb += __builtin_popcount(vbad);
+        if (!sf) { /* m overflowed with a finite g (g - m inside the lerp): keep it, a moment count */
+            const __mmask16 mbad = _mm512_fpclass_ps_mask(mn, NONFINITE_) & lm;
+            mn = _mm512_mask_blend_ps(mbad, mn, mo);
+            *vb += __builtin_popcount(mbad);
+        }
     }
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vn, k->bc2)), k->eps);
     const __m512 d = sf ? _mm512_div_ps(mn, denom) : _mm512_div_ps(_mm512_div_ps(mn, k->bc1), denom);
@@ -50,7 +55,8 @@ static inline __attribute__((always_inline)) void arith_(
  * z that is NaN or ±Inf makes the sum so; when the test finds nothing, no gate would have selected
  * anything and the stock values are the exact ones. Only a vector that fails it (or a held or "skip"
  * tensor) is computed again with the gates — from the inputs still in registers, since nothing has been
- * stored. The sum can also overflow where every term is finite; that only takes the exact path. */
+ * stored. The sum can also overflow where every term is finite; that only takes the exact path. A new
+ * m that overflowed (AdamW) is not in the test, and needs not be: it makes d, and so y, non-finite. */
 static inline __attribute__((always_inline)) void vec_update_(
         const int sf, const int gate, const int decay_z, const int full, __mmask16 lm,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,

@@ -71,9 +71,9 @@ int nonans_simd_width(void) {
  *
  * Counting is most of the resolution's arithmetic once the data is cache-resident (python -m experiments
  * overhead, "by tensor size"), so the loop keeps three counters, not five: a non-finite g always gives a
- * non-finite new v (NaN² is NaN, ±Inf² is Inf), so one count of non-finite new v covers both the bad
- * gradient entries and the finite ones whose square overflowed (the moment stage, counted as the loop's
- * _gate_second_moment counts it). Only a block where it is nonzero counts its NaN and non-finite gradient
+ * non-finite new v (NaN² is NaN, ±Inf² is Inf), so one count of non-finite new v (and new m) covers both
+ * the bad gradient entries and the finite ones whose square or lerp overflowed (the moment stage, counted
+ * as functional/adam.py counts it). Only a block where it is nonzero counts its NaN and non-finite gradient
  * entries again, from g, which the loop never writes — exact, and rare. clean: pass 1 found no non-finite
  * g in this block (and the tensor is neither held nor kept whole), so the gradient gate selects nothing
  * and the recount is not needed. This is the portable form; scalar_avx512.h has the same loop in AVX-512
@@ -100,8 +100,12 @@ static inline __attribute__((always_inline)) void update_block(
             mn = lerpf_(mo, gate ? (ok ? gs : mo) : gs, h.one_m_b1); /* missing: m keeps its value */
         }
         if (gate) {
-            vbad += !finitef_(vn);
+            /* a finite g can still overflow m (g - m inside the lerp) or v (g²): keep the old value.
+             * Both are moment-stage counts, so one counter takes both; a bad g never makes m non-finite
+             * (it is gated to m itself), so vbad - (bad g) stays the moment count. */
+            vbad += !finitef_(vn) + (sf ? 0 : !finitef_(mn));
             vn = finitef_(vn) ? vn : vo;
+            if (!sf) mn = finitef_(mn) ? mn : mo;
         }
         const float denom = sqrtf(vn / bc2) + h.eps;
         float d = sf ? mn / denom : (mn / bc1) / denom;

@@ -25,7 +25,10 @@
 
 #include "common.h"
 
-enum { NPRE = 2 };   /* per tensor and thread, pre: grad nan, grad non-finite */
+enum { NPRE = 3 };   /* per tensor and thread, pre: grad nan, grad non-finite, moment overflow */
+/* row_ok values: 0 the row's gradient had a bad entry, 1 entirely finite, ROW_GATED entirely finite but
+ * the row takes the gated arithmetic anyway (a buffer may overflow there). post only asks "nonzero?". */
+enum { ROW_GATED = 3 };
 
 /* MONA's constants (alpha, 1-beta) and whether this is the tensor's first step (G_prev starts as G). */
 typedef struct {
@@ -36,23 +39,35 @@ typedef struct {
 /* One entry of the momentum side: the gate, MONA (when mona: G̃ = G + α·A with A ← lerp(A, G - G_prev,
  * 1-β), both buffers keeping their values where g is missing — functional/momentum.py::mona_), the
  * buffer's new value (fp32, rounded only on the write) and the NS5 input M = lerp(g_in, buf, μ)
- * (Nesterov) or buf. pn/an receive MONA's new G_prev and A. */
+ * (Nesterov) or buf. pn/an receive MONA's new G_prev and A. Under the gate, A and the buffer also keep
+ * their values where the new one overflowed with a finite g (the difference inside a lerp; for a bf16
+ * buffer, the value as stored) — a missing observation for that buffer, so M there is the old buffer
+ * value — and *ov counts those entries (the moment stage). */
 static inline __attribute__((always_inline)) float momentum_entry_(
         float gr, float bo, float s, int gate, float one_m_mu, float mu, int nesterov, float *nb_out,
-        const int mona, const mona_t mo, float po, float ao, float *pn, float *an) {
+        const int mona, const mona_t mo, float po, float ao, float *pn, float *an, int bf16, int *ov) {
     float G = gr * s; /* s == 1.0f exactly unless the spike guard fired */
     const int ok = finitef_(gr);
     if (mona) {
         const float prev = mo.first ? (gate ? (ok ? G : 0.0f) : G) : po;
         const float na = lerpf_(ao, G - prev, mo.one_m_beta);
-        *an = gate ? (ok ? na : ao) : na;
+        const int keep_na = ok & finitef_(na);
+        if (gate) *ov += ok & !keep_na;
+        *an = gate ? (keep_na ? na : ao) : na;
         *pn = gate ? (ok ? G : prev) : G;
         G = G + mo.alpha * *an;
     }
     const float gin = gate ? (ok ? G : bo) : G; /* missing entry: the buffer keeps its value */
-    const float nb = lerpf_(bo, gin, one_m_mu);
+    float nb = lerpf_(bo, gin, one_m_mu);
+    float din = gin;
+    if (gate) { /* an overflow is a missing observation for the buffer: it and M continue from bo */
+        const int nb_ok = finitef_(bf16 ? bf16_to_f32_(f32_to_bf16_(nb)) : nb);
+        *ov += !nb_ok;
+        nb = nb_ok ? nb : bo;
+        din = nb_ok ? gin : bo;
+    }
     *nb_out = nb;
-    return nesterov ? lerpf_(gin, nb, mu) : nb;
+    return nesterov ? lerpf_(din, nb, mu) : nb;
 }
 
 /* Row helpers of pre. A bf16 row is widened into an fp32 row buffer first (it stays in L1), so every
@@ -82,25 +97,28 @@ static void narrow_row_(const float *restrict src, void *restrict dst, int bf16,
  * MONA's G_prev and A rows (read only here; NULL without MONA). */
 static inline __attribute__((always_inline)) double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
                        float one_m_mu, float mu, int nesterov, const int mona, const mona_t mo,
-                       const float *restrict pr, const float *restrict ar) {
+                       const float *restrict pr, const float *restrict ar, int bf16, int *big) {
     float part = 0.0f;
-#pragma omp simd reduction(+ : part)
+    int ov = 0; /* counted in pass 3, which writes */
+#pragma omp simd reduction(+ : part, ov)
     for (int64_t j = 0; j < C; j++) {
         float nb, pn, an;
         const float M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
-                                        mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an);
+                                        mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an, bf16, &ov);
         part += M * M;
     }
     /* Exact enough unless a square overflowed or the row is so small that squares lost precision (or
      * underflowed): then this row, still in cache, again in double — the NS5 input stays scale invariant
-     * over fp32's whole range (tests/test_fused_spectral.py). */
+     * over fp32's whole range (tests/test_fused_spectral.py). *big: a square overflowed (some |M| above
+     * about 1.8e19), the only way an ungated row can hide a buffer overflow (see nonans_spectral_pre). */
     if (finitef_(part) && part > 1e-30f) return part;
+    *big = !finitef_(part);
     double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
+#pragma omp simd reduction(+ : acc, ov)
     for (int64_t j = 0; j < C; j++) {
         float nb, pn, an;
         const double M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
-                                         mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an);
+                                         mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an, bf16, &ov);
         acc += M * M;
     }
     return acc;
@@ -111,56 +129,75 @@ static inline __attribute__((always_inline)) double row_msq_(const float *restri
  * compute-bound loop (about 0.4 ms of a 3.1M-entry step). */
 static double row_msq_dispatch_(const float *restrict gr, const float *restrict bo, int64_t C, float s,
                                 int gated, float one_m_mu, float mu, int nesterov, const mona_t *mo,
-                                const float *restrict pr, const float *restrict ar) {
+                                const float *restrict pr, const float *restrict ar, int bf16, int *big) {
     const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
     if (mo != NULL)
-        return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 1, m, pr, ar)
-                     : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar);
-    return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 0, m, NULL, NULL)
-                 : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 0, m, NULL, NULL);
+        return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 1, m, pr, ar, bf16, big)
+                     : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar, 0, big);
+    return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 0, m, NULL, NULL, bf16, big)
+                 : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 0, m, NULL, NULL, 0, big);
+}
+
+/* Σ M² of one row for passes 1 and 2. ok: the row's row_ok entry (NULL under "off"). A row whose
+ * gradient is entirely finite runs the ungated arithmetic, which cannot see a buffer overflowing (the
+ * difference inside a lerp, or a bf16 buffer rounding to Inf). Any such overflow leaves M non-finite or
+ * near fp32's maximum (M is the new buffer, or a lerp from a finite input towards it), far above the
+ * 1.8e19 where M² overflows fp32: that row is marked ROW_GATED and summed again gated — exact anyway, so
+ * a false alarm costs time only. */
+static double row_msq_checked_(const float *restrict gr, const float *restrict bo, int64_t C, float s,
+                               uint8_t *ok, float one_m_mu, float mu, int nesterov, const mona_t *mo,
+                               const float *restrict pr, const float *restrict ar, int bf16) {
+    int big = 0;
+    const int gated = ok != NULL && *ok != 1;
+    const double sum = row_msq_dispatch_(gr, bo, C, s, gated, one_m_mu, mu, nesterov, mo, pr, ar, bf16, &big);
+    if (ok == NULL || gated || !big) return sum;
+    *ok = ROW_GATED;
+    return row_msq_dispatch_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, mo, pr, ar, bf16, &big);
 }
 
 /* Pass 3 over one row: in place, b becomes the new buffer value (and pr/ar MONA's new rows) and x the NS5
  * input M / ‖M‖ (fp32; the caller narrows both). In fp32 when 1/‖M‖ is a normal fp32 number (a one-ulp
  * difference from the double product, below bf16's resolution), else in double (‖M‖ beyond fp32's
- * range). inv == 1 writes M itself (the KL-Shampoo input, normalised after preconditioning). */
-static inline __attribute__((always_inline)) void row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
+ * range). inv == 1 writes M itself (the KL-Shampoo input, normalised after preconditioning). Returns the
+ * row's moment-overflow count (0 unless gated). */
+static inline __attribute__((always_inline)) int row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
                         int gate, float one_m_mu, float mu, int nesterov, double inv, const int mona,
-                        const mona_t mo, float *restrict pr, float *restrict ar) {
+                        const mona_t mo, float *restrict pr, float *restrict ar, int bf16) {
     const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
     const float inv_f = (float)inv;
+    int ov = 0;
     if (narrow) {
-#pragma omp simd
+#pragma omp simd reduction(+ : ov)
         for (int64_t j = 0; j < C; j++) {
             float nb, pn = 0.0f, an = 0.0f;
             x[j] = momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
-                                   mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an) * inv_f;
+                                   mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an, bf16, &ov) * inv_f;
             b[j] = nb;
             if (mona) { pr[j] = pn; ar[j] = an; }
         }
     } else {
-#pragma omp simd
+#pragma omp simd reduction(+ : ov)
         for (int64_t j = 0; j < C; j++) {
             float nb, pn = 0.0f, an = 0.0f;
             x[j] = (float)((double)momentum_entry_(gr[j], b[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
-                                                   mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an) * inv);
+                                                   mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an, bf16,
+                                                   &ov) * inv);
             b[j] = nb;
             if (mona) { pr[j] = pn; ar[j] = an; }
         }
     }
+    return ov;
 }
 
-static void row_update_dispatch_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C,
-                                 float s, int gated, float one_m_mu, float mu, int nesterov, double inv,
-                                 const mona_t *mo, float *restrict pr, float *restrict ar) {
+static int row_update_dispatch_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C,
+                                float s, int gated, float one_m_mu, float mu, int nesterov, double inv,
+                                const mona_t *mo, float *restrict pr, float *restrict ar, int bf16) {
     const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
-    if (mo != NULL) {
-        if (gated) row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 1, m, pr, ar);
-        else row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 1, m, pr, ar);
-    } else {
-        if (gated) row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 0, m, NULL, NULL);
-        else row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 0, m, NULL, NULL);
-    }
+    if (mo != NULL)
+        return gated ? row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 1, m, pr, ar, bf16)
+                     : row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 1, m, pr, ar, 0);
+    return gated ? row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 0, m, NULL, NULL, bf16)
+                 : row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 0, m, NULL, NULL, 0);
 }
 
 /* The momentum side. g, buf, x: per tensor; rows/cols: the matrix shape (buf and x have the same layout
@@ -249,10 +286,14 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     bad_c += nb;
                     row_ok[row_off[i] + r] = nb == 0;
                 }
-                if (raw) continue; /* no norm of M to take: pass 3 writes M itself */
+                if (raw) { /* no norm of M to take: pass 3 writes M itself, every row gated (KL's path) */
+                    if (gate && row_ok[row_off[i] + r]) row_ok[row_off[i] + r] = ROW_GATED;
+                    continue;
+                }
                 widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
-                msq[r] = row_msq_dispatch_(gr, brow, C, 1.0f, gate && !row_ok[row_off[i] + r], one_m_mu, mu,
-                                           nesterov, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL);
+                msq[r] = row_msq_checked_(gr, brow, C, 1.0f, gate ? row_ok + row_off[i] + r : NULL, one_m_mu,
+                                          mu, nesterov, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL,
+                                          buf_bf16);
             }
             cnt[(i * T + tid) * NPRE] = nan_c;
             cnt[(i * T + tid) * NPRE + 1] = bad_c;
@@ -280,8 +321,9 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             if (s != 1.0f && !raw) { /* pass 2: the guard fired (the same decision on every thread) */
                 for (int64_t r = r0; r < r1; r++) {
                     widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
-                    msq[r] = row_msq_dispatch_(gi + r * C, brow, C, s, gate && !row_ok[row_off[i] + r], one_m_mu,
-                                               mu, nesterov, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL);
+                    msq[r] = row_msq_checked_(gi + r * C, brow, C, s, gate ? row_ok + row_off[i] + r : NULL,
+                                              one_m_mu, mu, nesterov, mop, pi ? pi + r * C : NULL,
+                                              ai ? ai + r * C : NULL, buf_bf16);
                 }
 #pragma omp barrier
             }
@@ -290,6 +332,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                 for (int64_t r = 0; r < R; r++) msum += msq[r];
             const double inv = raw ? 1.0 : msum > 0.0 ? 1.0 / sqrt(msum) : 0.0;
             /* pass 3 */
+            int64_t ov_c = 0;
             for (int64_t r = r0; r < r1; r++) {
                 char *bdst = (char *)buf[i] + (size_t)(r * C) * bsz;
                 widen_row_(bdst, buf_bf16, brow, C);
@@ -300,20 +343,26 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     pr = prow;
                     ar = arow;
                 }
-                row_update_dispatch_(gi + r * C, brow, xrow, C, s, gate && !row_ok[row_off[i] + r], one_m_mu, mu,
-                                     nesterov, inv, mop, pr, ar);
+                ov_c += row_update_dispatch_(gi + r * C, brow, xrow, C, s, gate && row_ok[row_off[i] + r] != 1,
+                                             one_m_mu, mu, nesterov, inv, mop, pr, ar, buf_bf16);
                 if (!skip) narrow_row_(brow, bdst, buf_bf16, C);
                 narrow_row_(xrow, (char *)x[i] + (size_t)(r * C) * xsz, x_bf16, C);
             }
+            cnt[(i * T + tid) * NPRE + 2] = ov_c;
         }
     }
     if (gate && dense != NULL) {
         for (int64_t i = 0; i < n; i++) {
-            int64_t nan_c = 0, bad_c = 0;
-            for (int t = 0; t < T; t++) { nan_c += cnt[(i * T + t) * NPRE]; bad_c += cnt[(i * T + t) * NPRE + 1]; }
+            int64_t nan_c = 0, bad_c = 0, ov_c = 0;
+            for (int t = 0; t < T; t++) {
+                nan_c += cnt[(i * T + t) * NPRE];
+                bad_c += cnt[(i * T + t) * NPRE + 1];
+                ov_c += cnt[(i * T + t) * NPRE + 2];
+            }
             int64_t *row = dense + sel[i] * NSTAGE * 2;
             row[ST_GRAD * 2] += nan_c;
             row[ST_GRAD * 2 + 1] += bad_c - nan_c;
+            row[ST_MOMENT * 2 + 1] += ov_c;
             if (guard) {
                 row[ST_SPIKE * 2 + 1] += trig[i];
                 ema[sel[i]] = new_ema[i];

@@ -91,6 +91,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
             over_buf = count(~buf_ok)
             overflow = over_buf if overflow is None else overflow + over_buf
             new_buf = torch.where(buf_ok, new_buf, buf)
+            g_in = torch.where(buf_ok, g_in, buf)  # a missing observation there: M is the old buffer
         bufs[i].copy_(new_buf)
         Ms.append(torch.lerp(g_in, new_buf, mu) if nesterov else new_buf)
         if gate:
