@@ -59,6 +59,16 @@ def _finite(x):
 
 
 @triton.jit
+def _kept_finite(x, TY: tl.constexpr, EMULATE: tl.constexpr):
+    """Finite *as stored*: the math is fp32, but a finite fp32 value can round to ±Inf in a 16-bit
+    parameter or state dtype (fp16 above 65504); the eager paths, which compute in that dtype, see the Inf
+    and gate it, so the kernel gates on the rounded value too."""
+    if TY == tl.float32:
+        return _finite(x)
+    return _finite(cast_rtne(x, TY, EMULATE).to(tl.float32))
+
+
+@triton.jit
 def _lerp(a, b, w):
     """torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m."""
     return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
@@ -180,7 +190,8 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
                   TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
                   EMULATE: tl.constexpr, MASKED: tl.constexpr):
     """The step of _compiled._one_tensor on one block, in place; returns its counts (grad NaN, grad
-    non-finite, v overflow, update NaN, update non-finite), zeros without GATE."""
+    non-finite, m/v overflow, update NaN, update non-finite), zeros without GATE. Every gate tests the
+    value as it will be stored (:func:`_kept_finite`)."""
     one_m_b1, b2, one_m_b2 = tl.load(hp_ptr), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2)
     eps, wd, c, coef = tl.load(hp_ptr + 3), tl.load(hp_ptr + 4), tl.load(hp_ptr + 5), tl.load(hp_ptr + 6)
     g = _load(g_ptr, idx, mask, MASKED)
@@ -200,9 +211,12 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         if GATE:
             g_in = tl.where(ok, gs, so)
         mn = _lerp(so, g_in, one_m_b1)
-    v_ok = _finite(vn)  # before the gate: a bad g makes it False too (the moment stage subtracts those)
+    v_ok = _kept_finite(vn, TY, EMULATE)  # before the gate: a bad g makes it False too (subtracted below)
     if GATE:
         vn = tl.where(v_ok, vn, vo)
+        if not SF:  # g - m inside the lerp can overflow with both finite: m keeps its value there
+            m_ok = _kept_finite(mn, TY, EMULATE)
+            mn = tl.where(m_ok, mn, so)
     denom = tl.sqrt_rn(tl.div_rn(vn, bc2)) + eps
     if SF:
         d = tl.div_rn(mn, denom)
@@ -220,13 +234,17 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         gn = _count(g != g, mask, MASKED)
         gb = _count(~ok, mask, MASKED)
         ov = _count(ok & ~v_ok, mask, MASKED)  # new v overflowed with a finite g (the loop's moment stage)
+        if not SF:
+            ov += _count(~m_ok, mask, MASKED)
+        y_ok = _kept_finite(y, TY, EMULATE)
         un = _count(y != y, mask, MASKED)
-        ub = _count(~_finite(y), mask, MASKED)
-        y = tl.where(_finite(y) & ~hold, y, po)
+        ub = _count(~y_ok, mask, MASKED)
+        y = tl.where(y_ok & ~hold, y, po)
         if SF:
+            z_ok = _kept_finite(sn, TY, EMULATE)
             un += _count(sn != sn, mask, MASKED)
-            ub += _count(~_finite(sn), mask, MASKED)
-            sn = tl.where(_finite(sn) & ~hold, sn, so)
+            ub += _count(~z_ok, mask, MASKED)
+            sn = tl.where(z_ok & ~hold, sn, so)
         un = tl.where(hold, 0, un)  # a held tensor writes nothing, so it counts no update
         ub = tl.where(hold, 0, ub)
         y = tl.where(keep_all, po, y)  # "skip": the tensor had a bad entry; counted, nothing written

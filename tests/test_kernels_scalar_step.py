@@ -50,6 +50,8 @@ def _case(device, dtype, seed=0):
     gs[0][3], gs[1][0], gs[1][-1] = float("nan"), float("inf"), float("-inf")
     gs[2].mul_(1e3)  # finite spike: over the guard's cap
     gs[3].fill_(float("nan"))  # whole-tensor loss on a parameter with a recent event: held under "repair"
+    if dtype == torch.float32:  # finite, but g - m inside m's lerp overflows: m keeps its value (moment stage)
+        ms[1][5], gs[1][5] = -3.0e38, 3.3e38
     P = len(SIZES) + 2
     scale = (torch.rand(P, generator=gen) + 0.5).to(device)
     ema = (torch.rand(P, generator=gen) * 10).to(device)
@@ -120,6 +122,31 @@ def case_unaligned_views(device):
     assert torch.equal(got[3][3], want[3][3])
 
 
+def case_fp16_overflow_as_stored(device, sf):
+    """The math is fp32 but the state is fp16: g = 3e4 gives (1-β₂)·g² ≈ 9e5, finite in fp32 and +Inf once
+    stored. The gate must test the stored value (as the eager paths do, computing in fp16): v keeps its
+    value there, the moment stage counts it, and nothing non-finite is written."""
+    from nonans_optim.kernels.scalar_step import scalar_step_
+
+    def t(values):
+        return torch.tensor(values, dtype=torch.float16, device=device)
+
+    n = 64
+    p, m, v = t([0.5] * n), t([0.1] * n), t([0.01] * n)
+    g = t([1.0] * n)
+    g[5] = 3e4
+    res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+           torch.zeros(1, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+    v_before = v.clone()
+    scalar_step_([p], [g], [None] if sf else [m], [v], [m] if sf else [None], torch.tensor(1e-3, device=device),
+                 res, torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[0.1, 0.001]], device=device),
+                 torch.tensor(HP, dtype=torch.float32, device=device), sf=sf, policy="repair", decay_z=sf,
+                 factor=None)
+    assert torch.isfinite(p).all() and torch.isfinite(m).all() and torch.isfinite(v).all()
+    assert v[5] == v_before[5] and (v != v_before).sum() == n - 1
+    assert res[3][0, 1].tolist() == [0, 1]  # the moment stage: one overflow, as stored
+
+
 def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
     from nonans_optim.optimizers import _fused
 
@@ -184,6 +211,11 @@ def _define(device, marks=()):
         case_unaligned_views(device)
 
     @mark
+    @pytest.mark.parametrize("sf", [False, True], ids=["adamw", "sf"])
+    def test_fp16_overflow_as_stored(sf):
+        case_fp16_overflow_as_stored(device, sf)
+
+    @mark
     @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
     @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
     def test_optimizer_matches_loop(cls, policy, monkeypatch):
@@ -199,13 +231,13 @@ def _define(device, marks=()):
         case_launch_failure_falls_back(device, monkeypatch)
 
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
-            test_launch_failure_falls_back)
+            test_launch_failure_falls_back, test_fp16_overflow_as_stored)
 
 
 if INTERPRETED:
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
-     test_launch_failure_falls_back) = _define("cpu")
+     test_launch_failure_falls_back, test_fp16_overflow_as_stored) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -233,7 +265,8 @@ else:
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
-     test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
+     test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
+     test_gpu_fp16_overflow_as_stored) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
