@@ -4,7 +4,10 @@ Resolution policies (DESIGN.md "The resolution contract"):
 
 * ``"repair"`` — a non-finite gradient entry is a *missing observation*: the moments keep their old value
   there (``torch.where``-style select, never a 0/1 multiply: 0·NaN is NaN) and the parameter still takes the
-  step the old moments prescribe (a continuation step). Finite entries follow the stock update exactly.
+  step the old moments prescribe (a continuation step). Finite entries follow the stock update exactly,
+  except where a value overflows with finite inputs (g - m inside a lerp, g², a huge step): that moment,
+  or the parameter, keeps its old value — tested as stored (:func:`kept_finite`). Under ``"skip"`` the
+  same gates apply to a tensor that is written at all.
 * ``"skip"`` — if ANY entry of the tensor is non-finite, param and state are left untouched bit for bit.
   That needs the whole tensor's verdict before any element may be written, which one elementwise pass
   cannot know. Choice: a precomputed device flag when the caller has one (e.g. from a fused global check),
@@ -21,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._cast import cast_rtne
 from ._runtime import interpreting
 
 __all__ = ["POLICIES", "policy_code", "check_counters", "count_nonfinite", "elementwise_block",
-           "block_counts", "add_counts"]
+           "block_counts", "add_counts", "kept_finite", "kept_finite_reference"]
 
 POLICIES = {"off": 0, "repair": 1, "skip": 2}
 _BLOCK = 256 if interpreting() else 2048
@@ -57,6 +61,21 @@ def block_counts(g, mask):
     is_nan = (g != g) & mask
     is_inf = (tl.abs(g) == float("inf")) & mask
     return tl.sum(is_nan.to(tl.int64), axis=0), tl.sum(is_inf.to(tl.int64), axis=0)
+
+
+@triton.jit
+def kept_finite(x, TY: tl.constexpr, EMULATE: tl.constexpr):
+    """Finite *as stored*: the kernels compute in fp32, but a finite fp32 value can round to ±Inf in a
+    16-bit tensor (fp16 above 65504). The eager paths, computing in that dtype, see the Inf and gate it;
+    so the kernels gate on the value rounded to the storage dtype ``TY``."""
+    if TY == tl.float32:
+        return tl.abs(x) < float("inf")
+    return tl.abs(cast_rtne(x, TY, EMULATE).to(tl.float32)) < float("inf")
+
+
+def kept_finite_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The oracles' :func:`kept_finite`: finiteness of fp32 ``x`` rounded to ``dtype``."""
+    return torch.isfinite(x.to(dtype))
 
 
 @triton.jit

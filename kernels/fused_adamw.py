@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_rtne
-from ._elementwise import (check_counters, elementwise_block, load_grad_block, policy_code,
-                           reference_counts_and_skip, skip_flag_and_count)
+from ._elementwise import (check_counters, elementwise_block, kept_finite, kept_finite_reference,
+                           load_grad_block, policy_code, reference_counts_and_skip, skip_flag_and_count)
 from ._runtime import interpreting, on_device, scalar_arg
 
 __all__ = ["fused_adamw_", "fused_adamw_reference_", "_adamw_kernel"]
@@ -55,14 +55,16 @@ def _adamw_kernel(P, G, M, V, COUNTS, FLAG, N, lr, beta1, beta2, eps, weight_dec
         v = tl.load(V + offsets, mask=mask, other=0.0).to(tl.float32)
         m_new = m + (1.0 - beta1) * (g - m)
         v_new = v * beta2 + (1.0 - beta2) * (g * g)
-        if POLICY == 1:
+        if POLICY != 0:  # missing entries, and overflows with finite inputs (as stored): keep the old value
             finite = (g == g) & (tl.abs(g) != float("inf"))
-            m_new = tl.where(finite, m_new, m)
-            v_new = tl.where(finite, v_new, v)
-        p = p * (1.0 - lr_value * weight_decay)
+            m_new = tl.where(finite & kept_finite(m_new, M.dtype.element_ty, EMULATE), m_new, m)
+            v_new = tl.where(finite & kept_finite(v_new, V.dtype.element_ty, EMULATE), v_new, v)
+        p_new = p * (1.0 - lr_value * weight_decay)
         denom = tl.div_rn(tl.sqrt_rn(v_new), tl.sqrt_rn(bc2_value)) + eps
-        p = p - tl.div_rn(lr_value, bc1_value) * tl.div_rn(m_new, denom)
-        tl.store(P + offsets, cast_rtne(p, P.dtype.element_ty, EMULATE), mask=mask)
+        p_new = p_new - tl.div_rn(lr_value, bc1_value) * tl.div_rn(m_new, denom)
+        if POLICY != 0:
+            p_new = tl.where(kept_finite(p_new, P.dtype.element_ty, EMULATE), p_new, p)
+        tl.store(P + offsets, cast_rtne(p_new, P.dtype.element_ty, EMULATE), mask=mask)
         tl.store(M + offsets, cast_rtne(m_new, M.dtype.element_ty, EMULATE), mask=mask)
         tl.store(V + offsets, cast_rtne(v_new, V.dtype.element_ty, EMULATE), mask=mask)
 
@@ -125,12 +127,14 @@ def fused_adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     p, m, v = param.float(), exp_avg.float(), exp_avg_sq.float()
     m_new = m + (1.0 - beta1) * (g - m)
     v_new = v * beta2 + (1.0 - beta2) * (g * g)
-    if code == 1:
-        m_new = torch.where(finite, m_new, m)
-        v_new = torch.where(finite, v_new, v)
+    if code != 0:
+        m_new = torch.where(finite & kept_finite_reference(m_new, exp_avg.dtype), m_new, m)
+        v_new = torch.where(finite & kept_finite_reference(v_new, exp_avg_sq.dtype), v_new, v)
     bc2 = torch.as_tensor(bias_correction2, dtype=torch.float32, device=p.device)
     p_new = p * (1.0 - lr * weight_decay)
     p_new = p_new - (lr / bias_correction1) * (m_new / (v_new.sqrt() / bc2.sqrt() + eps))
+    if code != 0:
+        p_new = torch.where(kept_finite_reference(p_new, param.dtype), p_new, p)
     if code == 2:
         p_new, m_new, v_new = (torch.where(skip, old, new) for old, new in ((p, p_new), (m, m_new), (v, v_new)))
     param.copy_(p_new)

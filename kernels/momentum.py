@@ -4,7 +4,8 @@
 below 0.5 — in one pass that reads ``buf`` and ``g`` once and writes ``buf`` once. Under ``"repair"`` an
 entry whose gradient is not finite keeps its old momentum (missing observation, ``tl.where`` select), so a
 NaN never enters the buffer that feeds NS5; ``"skip"`` leaves the whole buffer untouched if any entry is
-non-finite; ``"off"`` is the stock update. NaN/Inf counts go to an int64 device counter (``_elementwise.py``
+non-finite; ``"off"`` is the stock update. A new value that overflows with finite inputs (g - buf) keeps the
+old one under both. NaN/Inf counts go to an int64 device counter (``_elementwise.py``
 has the policy and counting details, shared with ``fused_adamw.py``).
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ import triton
 import triton.language as tl
 
 from ._cast import cast_rtne
-from ._elementwise import (check_counters, elementwise_block, load_grad_block, policy_code,
-                           reference_counts_and_skip, skip_flag_and_count)
+from ._elementwise import (check_counters, elementwise_block, kept_finite, kept_finite_reference,
+                           load_grad_block, policy_code, reference_counts_and_skip, skip_flag_and_count)
 from ._runtime import interpreting, on_device
 
 __all__ = ["momentum_update_", "momentum_update_reference_", "_momentum_kernel"]
@@ -29,9 +30,9 @@ def _momentum_kernel(BUF, G, COUNTS, FLAG, N, beta, POLICY: tl.constexpr, COUNT:
     if go:
         buf = tl.load(BUF + offsets, mask=mask, other=0.0).to(tl.float32)
         new = buf + (1.0 - beta) * (g - buf)
-        if POLICY == 1:
+        if POLICY != 0:  # missing entries, and g - buf overflowing with both finite: keep the old value
             finite = (g == g) & (tl.abs(g) != float("inf"))
-            new = tl.where(finite, new, buf)
+            new = tl.where(finite & kept_finite(new, BUF.dtype.element_ty, EMULATE), new, buf)
         tl.store(BUF + offsets, cast_rtne(new, BUF.dtype.element_ty, EMULATE), mask=mask)
 
 
@@ -68,8 +69,8 @@ def momentum_update_reference_(buf: torch.Tensor, grad: torch.Tensor, counters: 
     finite, skip = reference_counts_and_skip(g, counters, code, skip_flag)
     old = buf.float()
     new = old + (1.0 - beta) * (g - old)
-    if code == 1:
-        new = torch.where(finite, new, old)
-    elif code == 2:
+    if code != 0:
+        new = torch.where(finite & kept_finite_reference(new, buf.dtype), new, old)
+    if code == 2:
         new = torch.where(skip, old, new)
     buf.copy_(new)

@@ -41,7 +41,7 @@ import triton.language as tl
 from nonans_optim.functional.spike import SPIKE_BETA
 
 from ._cast import cast_rtne
-from ._elementwise import elementwise_block, policy_code
+from ._elementwise import elementwise_block, kept_finite, policy_code
 from ._runtime import interpreting, on_device, tl_dtype
 
 __all__ = ["scalar_step_", "scalar_step_reference_", "supported", "_stats_kernel", "_decide_kernel",
@@ -56,16 +56,6 @@ _RBLOCK = 64 if interpreting() else 1024  # partials summed per iteration of the
 @triton.jit
 def _finite(x):
     return tl.abs(x) < float("inf")
-
-
-@triton.jit
-def _kept_finite(x, TY: tl.constexpr, EMULATE: tl.constexpr):
-    """Finite *as stored*: the math is fp32, but a finite fp32 value can round to ±Inf in a 16-bit
-    parameter or state dtype (fp16 above 65504); the eager paths, which compute in that dtype, see the Inf
-    and gate it, so the kernel gates on the rounded value too."""
-    if TY == tl.float32:
-        return _finite(x)
-    return _finite(cast_rtne(x, TY, EMULATE).to(tl.float32))
 
 
 @triton.jit
@@ -191,7 +181,7 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
                   EMULATE: tl.constexpr, MASKED: tl.constexpr):
     """The step of _compiled._one_tensor on one block, in place; returns its counts (grad NaN, grad
     non-finite, m/v overflow, update NaN, update non-finite), zeros without GATE. Every gate tests the
-    value as it will be stored (:func:`_kept_finite`)."""
+    value as it will be stored (:func:`._elementwise.kept_finite`)."""
     one_m_b1, b2, one_m_b2 = tl.load(hp_ptr), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2)
     eps, wd, c, coef = tl.load(hp_ptr + 3), tl.load(hp_ptr + 4), tl.load(hp_ptr + 5), tl.load(hp_ptr + 6)
     g = _load(g_ptr, idx, mask, MASKED)
@@ -211,11 +201,11 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         if GATE:
             g_in = tl.where(ok, gs, so)
         mn = _lerp(so, g_in, one_m_b1)
-    v_ok = _kept_finite(vn, TY, EMULATE)  # before the gate: a bad g makes it False too (subtracted below)
+    v_ok = kept_finite(vn, TY, EMULATE)  # before the gate: a bad g makes it False too (subtracted below)
     if GATE:
         vn = tl.where(v_ok, vn, vo)
         if not SF:  # g - m inside the lerp can overflow with both finite: m keeps its value there
-            m_ok = _kept_finite(mn, TY, EMULATE)
+            m_ok = kept_finite(mn, TY, EMULATE)
             mn = tl.where(m_ok, mn, so)
     denom = tl.sqrt_rn(tl.div_rn(vn, bc2)) + eps
     if SF:
@@ -236,12 +226,12 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         ov = _count(ok & ~v_ok, mask, MASKED)  # new v overflowed with a finite g (the loop's moment stage)
         if not SF:
             ov += _count(~m_ok, mask, MASKED)
-        y_ok = _kept_finite(y, TY, EMULATE)
+        y_ok = kept_finite(y, TY, EMULATE)
         un = _count(y != y, mask, MASKED)
         ub = _count(~y_ok, mask, MASKED)
         y = tl.where(y_ok & ~hold, y, po)
         if SF:
-            z_ok = _kept_finite(sn, TY, EMULATE)
+            z_ok = kept_finite(sn, TY, EMULATE)
             un += _count(sn != sn, mask, MASKED)
             ub += _count(~z_ok, mask, MASKED)
             sn = tl.where(z_ok & ~hold, sn, so)

@@ -165,6 +165,32 @@ def case_momentum(device, policy, dtype):
     assert c.tolist() == ([0, 0] if policy == "off" else [2, 2])
 
 
+def case_overflow_with_finite_inputs(device, policy):
+    """Finite inputs whose update overflows: m = -3e38 meets g = +3.3e38 (g - m inside the lerp), an fp16
+    v meets g = 3e4 ((1-β₂)·g² ≈ 9e5, +Inf once stored). Under "repair" and "skip" (a clean tensor is
+    written) each keeps its old value, as the oracle does; nothing non-finite is written."""
+    from nonans_optim.kernels import (fused_adamw_, fused_adamw_reference_, momentum_update_,
+                                      momentum_update_reference_)
+
+    p, grad, m, v = _state(device, dirty=False)
+    m[7], grad[7] = -3.0e38, 3.3e38
+    got, want = _run_adamw(fused_adamw_, (p, grad, m, v), policy), _run_adamw(fused_adamw_reference_,
+                                                                            (p, grad, m, v), policy)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got[1][7] == m[7]
+    bufs = [m.clone(), m.clone()]
+    momentum_update_(bufs[0], grad, beta=0.95, policy=policy)
+    momentum_update_reference_(bufs[1], grad, beta=0.95, policy=policy)
+    assert torch.isfinite(bufs[0]).all() and bufs[0][7] == m[7]
+    torch.testing.assert_close(bufs[0], bufs[1], rtol=1e-6, atol=1e-7)
+    p16, g16, m16, v16 = (t.to(torch.float16) for t in _state(device, dirty=False))
+    g16[11] = 3e4
+    got = _run_adamw(fused_adamw_, (p16, g16, m16, v16.to(torch.float16)), policy)
+    assert all(torch.isfinite(t).all() for t in got[:3]) and got[2][11] == v16[11]
+
+
 def case_bad_arguments(device):
     from nonans_optim.kernels import fused_adamw_, momentum_update_
 
@@ -211,17 +237,24 @@ def _define(device, marks=()):
     def test_momentum(policy, dtype):
         case_momentum(device, policy, dtype)
 
-    return test_adamw_matches_reference, test_adamw_semantics, test_momentum
+    @mark
+    @pytest.mark.parametrize("policy", ["repair", "skip"])
+    def test_overflow_with_finite_inputs(policy):
+        case_overflow_with_finite_inputs(device, policy)
+
+    return test_adamw_matches_reference, test_adamw_semantics, test_momentum, test_overflow_with_finite_inputs
 
 
 if INTERPRETED:
     # "off" lets NaN flow through the math on purpose; numpy (the interpreter) warns about it
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-    test_adamw_matches_reference, test_adamw_semantics, test_momentum = _define("cpu")
+    (test_adamw_matches_reference, test_adamw_semantics, test_momentum,
+     test_overflow_with_finite_inputs) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
         assert_interpreted_suite_passes(__file__, timeout=600)
 
-    test_gpu_adamw_matches_reference, test_gpu_adamw_semantics, test_gpu_momentum = _define(
+    (test_gpu_adamw_matches_reference, test_gpu_adamw_semantics, test_gpu_momentum,
+     test_gpu_overflow_with_finite_inputs) = _define(
         "cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")))
