@@ -211,6 +211,40 @@ def test_finite_gradients_that_overflow_a_moment_are_contained(info, impl, polic
     assert opt.metrics()["resolution/inf_moment"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("info, impl", OVERFLOW_CASES, ids=impl_ids(OVERFLOW_CASES))
+def test_sixteen_bit_state_overflowing_as_stored_is_contained(info, impl, dtype):
+    """16-bit parameters and state: g = ±3e4 (fp16) makes (1-β₂)·g² ≈ 9e5, and ±3e38 (bf16) overflows
+    m's lerp: values that only become Inf when stored. The compiled graphs hold them in fp32 and used to
+    write Inf into exp_avg_sq (fp16 AdamW, SFAdamW, and the scalar part of every Fusion optimizer)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(16, 8).to(dtype)), torch.nn.Parameter(torch.randn(8).to(dtype))]
+    opt = info.make(ps, impl=impl, spike_factor=None)
+    big = 3e4 if dtype == torch.float16 else 3e38
+    for step in range(4):
+        for p in ps:
+            g = torch.randn(p.shape).to(dtype)
+            g.view(-1)[3] = big * (-1) ** step
+            p.grad = g
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in ps)
+        assert all(torch.isfinite(t).all() for p in ps for t in opt.state[p].values()
+                   if isinstance(t, torch.Tensor) and t.is_floating_point())
+    assert opt.metrics()["resolution/inf_moment"] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(bits=st.integers(0, 2 ** 32 - 1), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+def test_storable_mask_is_finiteness_after_the_cast(bits, dtype):
+    """The fp32 threshold compare equals isfinite(x.to(dtype)) for any fp32 bit pattern, and near the
+    thresholds (the tie at the dtype's maximum plus half an ulp rounds to Inf)."""
+    from nonans_optim.resolution import storable_mask
+    x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    edges = torch.tensor([65504.0, 65519.996, 65520.0, 3.3895e38, 3.39615e38, 3.3962e38])
+    x = torch.cat([x, edges, -edges, edges.nextafter(torch.tensor(0.0)), edges.nextafter(torch.tensor(float("inf")))])
+    assert storable_mask(x, dtype).tolist() == torch.isfinite(x.to(dtype)).tolist()
+
+
 def test_escalation_backs_off_on_repeated_events_and_grows_back():
     model = make_model()
     opt = no.AdamW(model.named_parameters(), lr=1e-2)

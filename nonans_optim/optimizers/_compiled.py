@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from ..functional.spike import spike_scale
-from ..resolution import STAGES, finite_mask  # |x| < inf: one vectorised compare once compiled
+from ..resolution import STAGES, finite_mask, storable_mask  # |x| < inf: one vectorised compare once compiled
 
 __all__ = ["compiled_scalar_update", "compile_available", "compiled", "count", "nonfinite_counts",
            "guard_spikes", "stage_rows", "group_kernel_args"]
@@ -117,10 +117,11 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
         m_new = torch.lerp(m, g_in, one_m_b1)
     m_over = None
     if gate:
-        v_ok = finite_mask(v_new)
+        # finite as stored: a 16-bit state's value is held in fp32 inside the graph (resolution.storable_mask)
+        v_ok = storable_mask(v_new, v.dtype)
         v_new = torch.where(v_ok, v_new, v)
         if not sf:  # g - m inside the lerp can overflow with both finite (functional/adam.py)
-            m_ok = finite_mask(m_new)
+            m_ok = storable_mask(m_new, m.dtype)
             m_over = count(~m_ok)
             m_new = torch.where(m_ok, m_new, m)
     denom = torch.sqrt(v_new / bc2) + eps
@@ -146,13 +147,13 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
         keep = torch.zeros((), dtype=torch.bool, device=p.device)
         if recent is not None:
             keep = recent & (g_bad == g.numel())
-        y_ok = finite_mask(y_new)
+        y_ok = storable_mask(y_new, p.dtype)
         u_nan, u_bad = count(y_new != y_new), count(~y_ok)
         y_new = torch.where(y_ok & ~keep, y_new, p)
         if z_new is not None:
-            zn, zb = nonfinite_counts(z_new)
-            u_nan, u_bad = u_nan + zn, u_bad + zb
-            z_new = torch.where(finite_mask(z_new) & ~keep, z_new, z)
+            z_ok = storable_mask(z_new, z.dtype)
+            u_nan, u_bad = u_nan + count(z_new != z_new), u_bad + count(~z_ok)
+            z_new = torch.where(z_ok & ~keep, z_new, z)
         u_nan, u_bad = torch.where(keep, zero, u_nan), torch.where(keep, zero, u_bad)
         out = {"grad": torch.stack((g_nan, g_bad - g_nan)), "moment": torch.stack((zero, overflow)),
                "update": torch.stack((u_nan, u_bad - u_nan))}

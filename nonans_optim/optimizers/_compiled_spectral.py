@@ -29,7 +29,7 @@ import torch
 
 from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
-from ..resolution import finite_mask
+from ..resolution import finite_mask, storable_mask
 from ..routing import matrix_shape
 from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
                         report_failure, resolution_args, stage_rows)
@@ -75,7 +75,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
             prev_eff = torch.where(first[i], start, prev)
             new_avg = torch.lerp(davg, G - prev_eff, one_m_ba)
             if gate:  # missing entry, or an overflow with a finite G (functional/momentum.py): A keeps its value
-                keep_avg = ok & finite_mask(new_avg)
+                keep_avg = ok & storable_mask(new_avg, davg.dtype)
                 overflow = count(ok & ~keep_avg)
                 new_avg = torch.where(keep_avg, new_avg, davg)
                 prev.copy_(torch.where(ok, G, prev_eff))
@@ -87,7 +87,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
         g_in = torch.where(ok, G, buf) if gate else G
         new_buf = torch.lerp(buf, g_in, one_m_mu)
         if gate:  # finite as stored, else the old value (an overflow inside the lerp)
-            buf_ok = finite_mask(new_buf.to(bufs[i].dtype))
+            buf_ok = storable_mask(new_buf, bufs[i].dtype)
             over_buf = count(~buf_ok)
             overflow = over_buf if overflow is None else overflow + over_buf
             new_buf = torch.where(buf_ok, new_buf, buf)
@@ -176,12 +176,13 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
             continue
         keep = hold[i]
         zero = torch.zeros((), dtype=torch.int64, device=p.device)
-        u_nan, u_bad = nonfinite_counts(y_new)
-        P.copy_(torch.where(finite_mask(y_new) & ~keep, y_new, P))
+        y_ok = storable_mask(y_new, P.dtype)  # finite as stored (a 16-bit parameter)
+        u_nan, u_bad = count(y_new != y_new), count(~y_ok)
+        P.copy_(torch.where(y_ok & ~keep, y_new, P))
         if z_new is not None:
-            zn, zb = nonfinite_counts(z_new)
-            u_nan, u_bad = u_nan + zn, u_bad + zb
-            z.copy_(torch.where(finite_mask(z_new) & ~keep, z_new, z))
+            z_ok = storable_mask(z_new, z.dtype)
+            u_nan, u_bad = u_nan + count(z_new != z_new), u_bad + count(~z_ok)
+            z.copy_(torch.where(z_ok & ~keep, z_new, z))
         upd.append(torch.stack((torch.where(keep, zero, u_nan), torch.where(keep, zero, u_bad - u_nan))))
     if gate:
         gc, spike, mc = pre_counts
