@@ -224,8 +224,8 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         gn = _count(g != g, mask, MASKED)
         gb = _count(~ok, mask, MASKED)
         ov = _count(ok & ~v_ok, mask, MASKED)  # new v overflowed with a finite g (the loop's moment stage)
-        if not SF:
-            ov += _count(~m_ok, mask, MASKED)
+        if not SF:  # entries where v or m overflowed, once each (functional/adam.py)
+            ov = _count(ok & ~(v_ok & m_ok), mask, MASKED)
         y_ok = kept_finite(y, TY, EMULATE)
         un = _count(y != y, mask, MASKED)
         ub = _count(~y_ok, mask, MASKED)

@@ -10,8 +10,9 @@ before the lerp, which leaves m *exactly* unchanged (lerp(m, m, w) = m in IEEE a
 Nesterov/direction input finite. Both moments are then selected with ``where`` on the finiteness of their
 new value: a finite g can still overflow them — g² > fp32 max in v, and in m the difference inside
 lerp(m, g, w) = m + w·(g - m) when g and m are huge and of opposite signs (g = +3e38 after m = -3e37
-gives +Inf). Such an entry keeps its previous moment and is counted in the "moment" stage. On clean
-entries every gate selects the stock value, so a clean step is bit-identical to ``"off"``.
+gives +Inf). Such an entry keeps its previous moment, and the "moment" stage counts the *entries* where a
+moment overflowed (at most numel, like every count). On clean entries every gate selects the stock value,
+so a clean step is bit-identical to ``"off"``.
 
 Two implementations of the same math: ``*_loop`` (one tensor at a time — the readable ground truth) and
 ``*_foreach`` (``torch._foreach_*`` over the list). Tests check they agree.
@@ -32,33 +33,37 @@ def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, t
     return torch.where(ok, g, fallback), counts
 
 
-def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Tensor) -> torch.Tensor:
+def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Tensor,
+                        m_ok: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``v_new`` into ``v`` where finite (keep the old v elsewhere) and return the moment-stage
-    counts [0, overflow]: entries whose new v is non-finite although the gradient was finite (g² > fp32 max)."""
+    counts [0, overflow]: entries whose new v (g² > fp32 max) or, given ``m_ok`` (the first moment's
+    :func:`gate_overflow_` mask), new m is non-finite although the gradient was finite. A bad gradient
+    entry always makes its new v non-finite and never its m (gated to m itself), hence the subtraction."""
     v_ok = finite_mask(v_new)
-    overflow = (v_new.numel() - torch.count_nonzero(v_ok)) - g_counts.sum()
+    both = v_ok if m_ok is None else v_ok & m_ok
+    overflow = (v_new.numel() - torch.count_nonzero(both)) - g_counts.sum()
     torch.where(v_ok, v_new, v, out=v)
     return torch.stack((torch.zeros_like(overflow), overflow))
 
 
 def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Write ``new`` into ``buf`` where it is finite *as stored in buf's dtype* (a finite fp32 value near
-    fp32's maximum can round to Inf in bf16); keep the old value elsewhere. Returns the number of kept
-    entries (0-d int64). For a moment whose input was already gated (a missing entry feeds the old value
-    back, lerp(b, b, w) = b), a non-finite new value can only be an overflow inside the update."""
+    fp32's maximum can round to Inf in bf16); keep the old value elsewhere. Returns that mask (True: the
+    new value was written). For a moment whose input was already gated (a missing entry feeds the old
+    value back, lerp(b, b, w) = b), a non-finite new value can only be an overflow inside the update."""
     stored = new.to(buf.dtype)
     ok = finite_mask(stored)
     torch.where(ok, stored, buf, out=buf)
-    return new.numel() - torch.count_nonzero(ok)
+    return ok
 
 
 def _moments_one(g, m, v, beta1, beta2, repair):
     """Update m, v in place for one tensor; returns [nan, inf] counts of g and of the moment overflows."""
     if repair:
         g_in, g_counts = gated_grad(g, m)
-        m_over = gate_overflow_(m, torch.lerp(m, g_in, 1 - beta1))
+        m_ok = gate_overflow_(m, torch.lerp(m, g_in, 1 - beta1))
         v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        return g_counts, _gate_second_moment(v, v_new, g_counts) + torch.stack((torch.zeros_like(m_over), m_over))
+        return g_counts, _gate_second_moment(v, v_new, g_counts, m_ok)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     return None, None
@@ -85,11 +90,10 @@ def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: f
     g_in = [x[0] for x in gated]
     g_counts = [x[1] for x in gated]
     m_new = torch._foreach_lerp(exp_avgs, g_in, 1 - beta1)
-    m_over = [gate_overflow_(m, mn) for m, mn in zip(exp_avgs, m_new)]
+    m_oks = [gate_overflow_(m, mn) for m, mn in zip(exp_avgs, m_new)]
     v_new = torch._foreach_mul(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(v_new, grads, grads, value=1 - beta2)
-    moment_counts = [_gate_second_moment(v, vn, gc) + torch.stack((torch.zeros_like(mo), mo))
-                     for v, vn, gc, mo in zip(exp_avg_sqs, v_new, g_counts, m_over)]
+    moment_counts = [_gate_second_moment(v, vn, gc, mo) for v, vn, gc, mo in zip(exp_avg_sqs, v_new, g_counts, m_oks)]
     return g_counts, moment_counts
 
 

@@ -15,8 +15,8 @@ so the step continues from the momentum. A finite G can still overflow a buffer:
 overflows in b - a when a and b are huge and of opposite signs (G = +3e38 after B = -3e37). Under the gate
 such an entry is a missing observation for that buffer: A, or B, keeps its previous value wherever the new
 one (as stored) is not finite — and for B the direction input there is the old B, as for a missing G, so M
-stays finite — and those entries are returned as a count for the "moment" stage. Clean entries see the
-stock arithmetic, bit for bit.
+stays finite — and the entries where either overflowed are returned as a mask for the "moment" stage.
+Clean entries see the stock arithmetic, bit for bit.
 """
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ __all__ = ["mona_", "momentum_"]
 
 def mona_(g: torch.Tensor, prev_grad: torch.Tensor, diff_avg: torch.Tensor, ok: torch.Tensor | None, *,
           alpha: float, beta: float, first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return (G̃ = G + α·A, overflow count) and update (prev_grad, diff_avg) in place.
+    """Return (G̃ = G + α·A, overflow mask) and update (prev_grad, diff_avg) in place.
 
-    ``ok`` is the finiteness mask of ``g`` (None when resolution is off: no gates, count None). Where
+    ``ok`` is the finiteness mask of ``g`` (None when resolution is off: no gates, mask None). Where
     ``ok`` is False both buffers keep their values and G̃ is NaN-free only where G was; the caller's
     momentum gate then substitutes the momentum for it. Where the new A is not finite although G was (an
-    overflow in G - G_prev or in the lerp), A keeps its value; the count (0-d int64) is of those entries."""
+    overflow in G - G_prev or in the lerp), A keeps its value; the mask marks those entries."""
     if first:
         prev_grad.copy_(g if ok is None else torch.where(ok, g, torch.zeros_like(g)))
     diff = g - prev_grad
@@ -43,30 +43,29 @@ def mona_(g: torch.Tensor, prev_grad: torch.Tensor, diff_avg: torch.Tensor, ok: 
         diff_avg.copy_(new_avg)
         prev_grad.copy_(g)
         return g.add(diff_avg, alpha=alpha), None
-    keep = ok & finite_mask(new_avg)
-    overflow = torch.count_nonzero(ok) - torch.count_nonzero(keep)
+    keep = ok & finite_mask(new_avg.to(diff_avg.dtype))
     diff_avg.copy_(torch.where(keep, new_avg, diff_avg))
     prev_grad.copy_(torch.where(ok, g, prev_grad))
-    return g.add(diff_avg, alpha=alpha), overflow
+    return g.add(diff_avg, alpha=alpha), ok & ~keep
 
 
 def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu: float,
               nesterov: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Update ``buf`` (momentum_buffer) in place and return (the direction input M, overflow count).
+    """Update ``buf`` (momentum_buffer) in place and return (the direction input M, overflow mask).
 
     A buffer stored in a narrower dtype than ``g`` (``momentum_dtype="bf16"``) is updated in g's dtype and
     rounded once on the write; M uses the unrounded new value. The missing-observation gate still leaves it
     exactly unchanged: lerp(b, b, w) = b, and b is representable in the buffer's dtype. With the gate
     (``ok`` given), an entry whose new value is not finite as stored is a missing observation too: the
-    buffer keeps its value and M there is the old value (the lerp of b with itself), counted (0-d int64);
-    without the gate the count is None."""
+    buffer keeps its value and M there is the old value (the lerp of b with itself), marked in the mask;
+    without the gate the mask is None."""
     wide = buf.to(g.dtype) if buf.dtype != g.dtype else buf
     g_in = g if ok is None else torch.where(ok, g, wide)
     new = torch.lerp(wide, g_in, 1 - mu)
     overflow = None
     if ok is not None:
         kept = finite_mask(new.to(buf.dtype))
-        overflow = new.numel() - torch.count_nonzero(kept)
+        overflow = ~kept
         new = torch.where(kept, new, wide)
         g_in = torch.where(kept, g_in, wide)  # lerp(b, b, μ) = b: M continues from the old buffer there
     buf.copy_(new)

@@ -32,12 +32,12 @@ static inline __attribute__((always_inline)) void arith_(
     if (gated) {
         const __mmask16 vbad = _mm512_fpclass_ps_mask(vn, NONFINITE_) & lm;
         vn = _mm512_mask_blend_ps(vbad, vn, vo);
-        *vb += __builtin_popcount(vbad);
-        if (!sf) { /* m overflowed with a finite g (g - m inside the lerp): keep it, a moment count */
-            const __mmask16 mbad = _mm512_fpclass_ps_mask(mn, NONFINITE_) & lm;
+        __mmask16 mbad = 0;
+        if (!sf) { /* m overflowed with a finite g (g - m inside the lerp): keep it; the entry counts once */
+            mbad = _mm512_fpclass_ps_mask(mn, NONFINITE_) & lm;
             mn = _mm512_mask_blend_ps(mbad, mn, mo);
-            *vb += __builtin_popcount(mbad);
         }
+        *vb += __builtin_popcount(vbad | mbad);
     }
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vn, k->bc2)), k->eps);
     const __m512 d = sf ? _mm512_div_ps(mn, denom) : _mm512_div_ps(_mm512_div_ps(mn, k->bc1), denom);

@@ -101,9 +101,9 @@ static inline __attribute__((always_inline)) void update_block(
         }
         if (gate) {
             /* a finite g can still overflow m (g - m inside the lerp) or v (g²): keep the old value.
-             * Both are moment-stage counts, so one counter takes both; a bad g never makes m non-finite
-             * (it is gated to m itself), so vbad - (bad g) stays the moment count. */
-            vbad += !finitef_(vn) + (sf ? 0 : !finitef_(mn));
+             * The moment stage counts entries where either did, so one counter takes both; a bad g never
+             * makes m non-finite (it is gated to m itself), so vbad - (bad g) stays the moment count. */
+            vbad += !finitef_(vn) | (sf ? 0 : !finitef_(mn));
             vn = finitef_(vn) ? vn : vo;
             if (!sf) mn = finitef_(mn) ? mn : mo;
         }

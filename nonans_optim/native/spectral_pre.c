@@ -42,17 +42,18 @@ typedef struct {
  * (Nesterov) or buf. pn/an receive MONA's new G_prev and A. Under the gate, A and the buffer also keep
  * their values where the new one overflowed with a finite g (the difference inside a lerp; for a bf16
  * buffer, the value as stored) — a missing observation for that buffer, so M there is the old buffer
- * value — and *ov counts those entries (the moment stage). */
+ * value — and *ov counts the entries where either did (the moment stage). */
 static inline __attribute__((always_inline)) float momentum_entry_(
         float gr, float bo, float s, int gate, float one_m_mu, float mu, int nesterov, float *nb_out,
         const int mona, const mona_t mo, float po, float ao, float *pn, float *an, int bf16, int *ov) {
     float G = gr * s; /* s == 1.0f exactly unless the spike guard fired */
     const int ok = finitef_(gr);
+    int over = 0; /* this entry overflowed a buffer: counted once */
     if (mona) {
         const float prev = mo.first ? (gate ? (ok ? G : 0.0f) : G) : po;
         const float na = lerpf_(ao, G - prev, mo.one_m_beta);
         const int keep_na = ok & finitef_(na);
-        if (gate) *ov += ok & !keep_na;
+        over = ok & !keep_na;
         *an = gate ? (keep_na ? na : ao) : na;
         *pn = gate ? (ok ? G : prev) : G;
         G = G + mo.alpha * *an;
@@ -62,7 +63,7 @@ static inline __attribute__((always_inline)) float momentum_entry_(
     float din = gin;
     if (gate) { /* an overflow is a missing observation for the buffer: it and M continue from bo */
         const int nb_ok = finitef_(bf16 ? bf16_to_f32_(f32_to_bf16_(nb)) : nb);
-        *ov += !nb_ok;
+        *ov += over | !nb_ok;
         nb = nb_ok ? nb : bo;
         din = nb_ok ? gin : bo;
     }

@@ -76,7 +76,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
             new_avg = torch.lerp(davg, G - prev_eff, one_m_ba)
             if gate:  # missing entry, or an overflow with a finite G (functional/momentum.py): A keeps its value
                 keep_avg = ok & storable_mask(new_avg, davg.dtype)
-                overflow = count(ok & ~keep_avg)
+                overflow = ok & ~keep_avg
                 new_avg = torch.where(keep_avg, new_avg, davg)
                 prev.copy_(torch.where(ok, G, prev_eff))
             else:
@@ -88,8 +88,7 @@ def _pre(grads, bufs, prevs, davgs, first, res, sel, hp, buckets, *, gate: bool,
         new_buf = torch.lerp(buf, g_in, one_m_mu)
         if gate:  # finite as stored, else the old value (an overflow inside the lerp)
             buf_ok = storable_mask(new_buf, bufs[i].dtype)
-            over_buf = count(~buf_ok)
-            overflow = over_buf if overflow is None else overflow + over_buf
+            overflow = count(~buf_ok if overflow is None else overflow | ~buf_ok)  # entries, as the loop counts
             new_buf = torch.where(buf_ok, new_buf, buf)
             g_in = torch.where(buf_ok, g_in, buf)  # a missing observation there: M is the old buffer
         bufs[i].copy_(new_buf)

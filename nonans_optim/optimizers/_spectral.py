@@ -108,9 +108,9 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                                 alpha=group["mona_alpha"], beta=group["mona_beta"], first=int(st["step"]) == 1)
         M, buf_overflow = momentum_(G, st["momentum_buffer"].view(shape), ok, mu=group["momentum"],
                                     nesterov=group["nesterov"])
-        if repair:  # buffers that overflowed with a finite gradient kept their values: the moment stage
-            overflow = buf_overflow if overflow is None else overflow + buf_overflow
-            record(ctx, idx, "moment", torch.stack((torch.zeros_like(overflow), overflow)))
+        if repair:  # entries where a buffer overflowed with a finite gradient (and kept its value): the moment stage
+            over = torch.count_nonzero(buf_overflow if overflow is None else overflow | buf_overflow)
+            record(ctx, idx, "moment", torch.stack((torch.zeros_like(over), over)))
         if "shampoo" in comps:
             from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
             # The paper's order (yorkerlin/KL-Methods kl_opt.py): precondition with the factors of the
