@@ -115,3 +115,22 @@ def test_skip_keeps_kl_damping_of_a_skipped_tensor():
     (ref, ref_opt, ref_d), (got, got_opt, got_d) = runs
     assert ref_d == got_d
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
+
+
+@pytest.mark.parametrize("impl", ["loop", "compiled", "fused"])
+def test_bf16_buffer_entry_that_rounds_to_inf_is_kept(impl):
+    """momentum=0 makes the new buffer g itself: 3.40e38 is finite in fp32 but rounds to Inf in a bf16
+    buffer (above (2 - 2^-8)·2^127). The buffer keeps its value there in every implementation, the moment
+    stage counts it, and 3.39e38 (which rounds to bf16's maximum) is stored normally."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(0.1 * torch.randn(64, 200))
+    opt = no.SFNorMuon([{"params": [p], "path": "spectral"}], lr=1e-2, momentum=0.0, momentum_dtype="bf16",
+                       impl=impl, spike_factor=None)
+    g = torch.randn(64, 200) * 1e-3
+    g[3, 7], g[5, 9] = 3.40e38, 3.39e38
+    p.grad = g
+    opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    assert buf.dtype == torch.bfloat16 and torch.isfinite(buf).all() and torch.isfinite(p).all()
+    assert buf[3, 7] == 0 and buf[5, 9] == torch.tensor(3.39e38).to(torch.bfloat16)
+    assert opt.metrics()["resolution/inf_moment"] == 1

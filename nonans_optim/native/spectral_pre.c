@@ -62,7 +62,9 @@ static inline __attribute__((always_inline)) float momentum_entry_(
     float nb = lerpf_(bo, gin, one_m_mu);
     float din = gin;
     if (gate) { /* an overflow is a missing observation for the buffer: it and M continue from bo */
-        const int nb_ok = finitef_(bf16 ? bf16_to_f32_(f32_to_bf16_(nb)) : nb);
+        /* finite as stored: for bf16, below the magnitude that rounds to Inf ((2 - 2^-8)·2^127, as
+         * resolution.storable_mask); NaN fails either compare */
+        const int nb_ok = fabsf(nb) < (bf16 ? 0x1.FFp127f : INFINITY);
         *ov += over | !nb_ok;
         nb = nb_ok ? nb : bo;
         din = nb_ok ? gin : bo;
