@@ -9,6 +9,7 @@ step, the Polyak EMAs and the resolution counters all survive a checkpoint.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Iterable
 
 import torch
@@ -37,7 +38,7 @@ def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.
 def _check_int(name: str, value: Any, *, low: int = 0) -> int:
     """``value`` as an int >= ``low``; an integral float (10.0) is accepted, 2.5 or "10" are not (int()
     would silently truncate the one and parse the other)."""
-    ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    ok = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not ok or value < low:
         raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
     return int(value)
