@@ -28,7 +28,7 @@ from ._cast import cast_rtne
 from ._runtime import interpreting
 
 __all__ = ["POLICIES", "policy_code", "check_counters", "count_nonfinite", "elementwise_block",
-           "block_counts", "add_counts", "kept_finite", "kept_finite_reference"]
+           "block_counts", "add_counts", "kept_finite"]
 
 POLICIES = {"off": 0, "repair": 1, "skip": 2}
 _BLOCK = 256 if interpreting() else 2048
@@ -67,15 +67,11 @@ def block_counts(g, mask):
 def kept_finite(x, TY: tl.constexpr, EMULATE: tl.constexpr):
     """Finite *as stored*: the kernels compute in fp32, but a finite fp32 value can round to ±Inf in a
     16-bit tensor (fp16 above 65504). The eager paths, computing in that dtype, see the Inf and gate it;
-    so the kernels gate on the value rounded to the storage dtype ``TY``."""
+    so the kernels gate on the value rounded to the storage dtype ``TY``. The oracles use
+    :func:`nonans_optim.resolution.storable_mask`, the same verdict as a threshold compare."""
     if TY == tl.float32:
         return tl.abs(x) < float("inf")
     return tl.abs(cast_rtne(x, TY, EMULATE).to(tl.float32)) < float("inf")
-
-
-def kept_finite_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The oracles' :func:`kept_finite`: finiteness of fp32 ``x`` rounded to ``dtype``."""
-    return torch.isfinite(x.to(dtype))
 
 
 @triton.jit

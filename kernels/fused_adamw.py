@@ -23,9 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nonans_optim.resolution import storable_mask
+
 from ._cast import cast_rtne
-from ._elementwise import (check_counters, elementwise_block, kept_finite, kept_finite_reference,
-                           load_grad_block, policy_code, reference_counts_and_skip, skip_flag_and_count)
+from ._elementwise import (check_counters, elementwise_block, kept_finite, load_grad_block, policy_code,
+                           reference_counts_and_skip, skip_flag_and_count)
 from ._runtime import interpreting, on_device, scalar_arg
 
 __all__ = ["fused_adamw_", "fused_adamw_reference_", "_adamw_kernel"]
@@ -128,13 +130,13 @@ def fused_adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     m_new = m + (1.0 - beta1) * (g - m)
     v_new = v * beta2 + (1.0 - beta2) * (g * g)
     if code != 0:
-        m_new = torch.where(finite & kept_finite_reference(m_new, exp_avg.dtype), m_new, m)
-        v_new = torch.where(finite & kept_finite_reference(v_new, exp_avg_sq.dtype), v_new, v)
+        m_new = torch.where(finite & storable_mask(m_new, exp_avg.dtype), m_new, m)
+        v_new = torch.where(finite & storable_mask(v_new, exp_avg_sq.dtype), v_new, v)
     bc2 = torch.as_tensor(bias_correction2, dtype=torch.float32, device=p.device)
     p_new = p * (1.0 - lr * weight_decay)
     p_new = p_new - (lr / bias_correction1) * (m_new / (v_new.sqrt() / bc2.sqrt() + eps))
     if code != 0:
-        p_new = torch.where(kept_finite_reference(p_new, param.dtype), p_new, p)
+        p_new = torch.where(storable_mask(p_new, param.dtype), p_new, p)
     if code == 2:
         p_new, m_new, v_new = (torch.where(skip, old, new) for old, new in ((p, p_new), (m, m_new), (v, v_new)))
     param.copy_(p_new)

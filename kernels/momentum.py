@@ -14,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nonans_optim.resolution import storable_mask
+
 from ._cast import cast_rtne
-from ._elementwise import (check_counters, elementwise_block, kept_finite, kept_finite_reference,
-                           load_grad_block, policy_code, reference_counts_and_skip, skip_flag_and_count)
+from ._elementwise import (check_counters, elementwise_block, kept_finite, load_grad_block, policy_code,
+                           reference_counts_and_skip, skip_flag_and_count)
 from ._runtime import interpreting, on_device
 
 __all__ = ["momentum_update_", "momentum_update_reference_", "_momentum_kernel"]
@@ -70,7 +72,7 @@ def momentum_update_reference_(buf: torch.Tensor, grad: torch.Tensor, counters: 
     old = buf.float()
     new = old + (1.0 - beta) * (g - old)
     if code != 0:
-        new = torch.where(finite & kept_finite_reference(new, buf.dtype), new, old)
+        new = torch.where(finite & storable_mask(new, buf.dtype), new, old)
     if code == 2:
         new = torch.where(skip, old, new)
     buf.copy_(new)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import finite_mask, inspect
+from ..resolution import finite_mask, inspect, storable_mask
 
 __all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad",
            "gate_overflow_"]
@@ -51,9 +51,8 @@ def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     fp32's maximum can round to Inf in bf16); keep the old value elsewhere. Returns that mask (True: the
     new value was written). For a moment whose input was already gated (a missing entry feeds the old
     value back, lerp(b, b, w) = b), a non-finite new value can only be an overflow inside the update."""
-    stored = new.to(buf.dtype)
-    ok = finite_mask(stored)
-    torch.where(ok, stored, buf, out=buf)
+    ok = storable_mask(new, buf.dtype)
+    torch.where(ok, new.to(buf.dtype), buf, out=buf)
     return ok
 
 

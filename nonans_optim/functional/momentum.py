@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import finite_mask
+from ..resolution import storable_mask
 
 __all__ = ["mona_", "momentum_"]
 
@@ -43,7 +43,7 @@ def mona_(g: torch.Tensor, prev_grad: torch.Tensor, diff_avg: torch.Tensor, ok: 
         diff_avg.copy_(new_avg)
         prev_grad.copy_(g)
         return g.add(diff_avg, alpha=alpha), None
-    keep = ok & finite_mask(new_avg.to(diff_avg.dtype))
+    keep = ok & storable_mask(new_avg, diff_avg.dtype)
     diff_avg.copy_(torch.where(keep, new_avg, diff_avg))
     prev_grad.copy_(torch.where(ok, g, prev_grad))
     return g.add(diff_avg, alpha=alpha), ok & ~keep
@@ -64,7 +64,7 @@ def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu
     new = torch.lerp(wide, g_in, 1 - mu)
     overflow = None
     if ok is not None:
-        kept = finite_mask(new.to(buf.dtype))
+        kept = storable_mask(new, buf.dtype)
         overflow = ~kept
         new = torch.where(kept, new, wide)
         g_in = torch.where(kept, g_in, wide)  # lerp(b, b, μ) = b: M continues from the old buffer there
