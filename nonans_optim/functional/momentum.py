@@ -67,6 +67,7 @@ def momentum_(g: torch.Tensor, buf: torch.Tensor, ok: torch.Tensor | None, *, mu
         kept = storable_mask(new, buf.dtype)
         overflow = ~kept
         new = torch.where(kept, new, wide)
-        g_in = torch.where(kept, g_in, wide)  # lerp(b, b, μ) = b: M continues from the old buffer there
+        if nesterov:  # lerp(b, b, μ) = b: M continues from the old buffer there (without Nesterov M = new)
+            g_in = torch.where(kept, g_in, wide)
     buf.copy_(new)
     return (g_in.lerp(new, mu) if nesterov else new), overflow  # new is never buf itself
