@@ -242,8 +242,7 @@ def run(args) -> dict[str, Any]:
         per, glob = state_bytes(opts, {id(p) for p in params})
         t = times[name]
         rows.append({"name": name, "median_ms": 1e3 * med[name], "mean_ms": 1e3 * statistics.fmean(t),
-                     "min_ms": 1e3 * min(t),
-                     "max_ms": 1e3 * max(t), "rounds": len(t),
+                     "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t), "rounds": len(t),
                      "vs_fused_adamw": med[name] / fused if fused else None,
                      "vs_fastest_muon_peer": med[name] / peers[fastest] if fastest else None,
                      "state_bytes_per_param": per / n_params, "global_state_bytes": glob})

@@ -257,7 +257,7 @@ def ns5(
     method = _resolve_method(method, requested_backend, backend, tuple(G.shape[-2:]))
     if method == "gram":
         backend = "torch"
-    if G.numel() == 0:  # an empty matrix (or batch) is its own orthogonalisation; the max-reduction has no identity
+    if G.numel() == 0:  # nothing to orthogonalise, and the max-reduction below has no identity
         return torch.empty_like(G)
 
     batch_shape = G.shape[:-2]
