@@ -1,12 +1,12 @@
 """impl="fused" on the scalar path (the native C loop of nonans_optim/native) against impl="loop", the
 ground truth; tests/test_fused_spectral.py does the spectral path.
 
-Each case injects NaN, ±Inf, a g² overflow, a first moment overflowing in its lerp, a whole-tensor loss
-that repeats (the hold rule) and a finite spike (the spike guard), on tensors large enough that both
-threads of the C loop get a share, and compares parameters, every state buffer and the event counts. The
-native record_step is compared with the torch one on random count sequences. The generic suites (tests/test_optimizers.py, tests/test_resolution.py)
-run "AdamW-fused", "SFAdamW-fused", "Muon-fused" and "SFNorMuon-fused" too: resume, clean "repair" ==
-"off", fault injection, and the rest.
+Each case injects NaN, ±Inf, a g² overflow, a first moment overflowing in its lerp, a whole-tensor loss that
+repeats (the hold rule) and a finite spike (the spike guard), on tensors large enough that both threads of
+the C loop get a share, and compares parameters, every state buffer and the event counts. The native
+record_step is compared with the torch one on random count sequences. The generic suites
+(tests/test_optimizers.py, tests/test_resolution.py) run "AdamW-fused", "SFAdamW-fused", "Muon-fused" and
+"SFNorMuon-fused" too: resume, clean "repair" == "off", fault injection, and the rest.
 """
 from __future__ import annotations
 
