@@ -90,6 +90,24 @@ static inline __attribute__((always_inline)) void vec_update_(
     else vstore_(full, lm, m + j, mn);
 }
 
+/* The vectors of [b0, b1), with the lerp form (small: the uniform weight, β₁'s 1-β₁ for AdamW or the
+ * schedule-free c, is below 0.5) a compile-time constant: a weight decided at run time inside the loop
+ * kept a compare and a branch in every iteration of the gated loop, which gcc hoists only from the
+ * stock one. */
+static inline __attribute__((always_inline)) void vec_loop_(
+        const int sf, const int gate, const int decay_z, const int small,
+        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
+        int64_t b0, int64_t b1, const vhyper_t *k0, int hold, int skip_all, int64_t *vb, int64_t *un,
+        int64_t *ub) {
+    vhyper_t k = *k0;
+    if (sf) k.u.small_c = small; else k.small_w = small;
+    int64_t j = b0;
+    for (; j + 16 <= b1; j += 16)
+        vec_update_(sf, gate, decay_z, 1, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
+    if (j < b1)
+        vec_update_(sf, gate, decay_z, 0, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
+}
+
 /* update_block (scalar_step.c) for [b0, b1), same arguments and counts. */
 static inline __attribute__((always_inline)) void update_block_avx512(
         const int sf, const int gate, const int clean, const int decay_z,
@@ -101,13 +119,11 @@ static inline __attribute__((always_inline)) void update_block_avx512(
         _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
         fabsf(h.one_m_b1) < 0.5f, vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
-    int64_t vb = 0, un = 0, ub = 0, j = b0;
-    for (; j + 16 <= b1; j += 16)
-        vec_update_(sf, gate, decay_z, 1, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, &vb,
-                    &un, &ub);
-    if (j < b1)
-        vec_update_(sf, gate, decay_z, 0, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold,
-                    skip_all, &vb, &un, &ub);
+    int64_t vb = 0, un = 0, ub = 0;
+    if (sf ? k.u.small_c : k.small_w)
+        vec_loop_(sf, gate, decay_z, 1, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
+    else
+        vec_loop_(sf, gate, decay_z, 0, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
     int64_t gn = 0, gb = 0;
     if (!clean && vb > 0) /* a bad gradient entry always makes its new v non-finite: recount from g */
         for (int64_t i = b0; i < b1; i++) {
