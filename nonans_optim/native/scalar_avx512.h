@@ -1,7 +1,8 @@
 /* The AVX-512 form of scalar_step.c's update_block and of pass 1's sum of squares (see simd_avx512.h for
  * when it is compiled in, and why intrinsics). The portable update loop ran 1.7x (AdamW) and 2.5x
  * (SFAdamW) its "off" loop on cache-resident data; this one about 1.05–1.1x (a C driver over 262K
- * entries, one thread), and the same bits.
+ * entries, one thread), and 1.00–1.03x since it tests vectors in pairs with the lerp form fixed at
+ * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits.
  *
  * Pass 1's sum of squares runs four independent vector accumulators (one chain was latency-bound), the
  * 64 lanes of scalar_step.c's sumsq_portable, added in the same order — the guard's scale, and so every
@@ -46,48 +47,103 @@ static inline __attribute__((always_inline)) void arith_(
     *mn_ = mn;
 }
 
-/* One vector of update_block at entry j (lm: the live lanes of a partial last vector; full: all 16).
- * Counts: vb, non-finite new v (the loop's moment stage, before subtracting the bad gradient entries);
- * un/ub, NaN/non-finite new y and z.
- *
- * Speculate, then verify, in registers: the stock arithmetic first, then one test of new v + y (+ z).
- * A non-finite gradient entry makes its new v non-finite (NaN² is NaN, ±Inf² is Inf), and a new v, y or
- * z that is NaN or ±Inf makes the sum so; when the test finds nothing, no gate would have selected
- * anything and the stock values are the exact ones. Only a vector that fails it (or a held or "skip"
- * tensor) is computed again with the gates — from the inputs still in registers, since nothing has been
- * stored. The sum can also overflow where every term is finite; that only takes the exact path. A new
- * m that overflowed (AdamW) is not in the test, and needs not be: it makes d, and so y, non-finite. */
-static inline __attribute__((always_inline)) void vec_update_(
-        const int sf, const int gate, const int decay_z, const int full, __mmask16 lm,
-        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
-        int64_t j, const vhyper_t *k, int hold, int skip_all, int64_t *vb, int64_t *un, int64_t *ub) {
-    const __m512 gr = vload_(full, lm, g + j), gs = _mm512_mul_ps(gr, k->s);
-    const __m512 vo = vload_(full, lm, v + j), po = vload_(full, lm, p + j);
-    const __m512 mo = sf ? _mm512_setzero_ps() : vload_(full, lm, m + j);
-    const __m512 zo = sf ? vload_(full, lm, z + j) : _mm512_setzero_ps();
-    __m512 vn, mn, y, zn = zo;
-    arith_(sf, decay_z, 0, gs, vo, mo, po, zo, 0, lm, k, &vn, &mn, &y, &zn, vb);
-    if (gate) {
-        const __m512 sum = sf ? _mm512_add_ps(_mm512_add_ps(vn, y), zn) : _mm512_add_ps(vn, y);
-        const __mmask16 any = _mm512_fpclass_ps_mask(sum, NONFINITE_) & lm;
-        if (__builtin_expect(any != 0 || hold || skip_all, 0)) {
-            const __mmask16 keep = hold ? lm : 0;
-            arith_(sf, decay_z, 1, gs, vo, mo, po, zo, _mm512_fpclass_ps_mask(gr, NONFINITE_), lm, k, &vn, &mn, &y,
-                   &zn, vb);
-            y = guard_(y, po, _mm512_fpclass_ps_mask(y, NONFINITE_) & lm, keep, un, ub);
-            if (sf) zn = guard_(zn, zo, _mm512_fpclass_ps_mask(zn, NONFINITE_) & lm, keep, un, ub);
-            if (skip_all) { /* "skip": the tensor had a bad entry; counted, nothing written */
-                y = po;
-                vn = vo;
-                mn = mo;
-                zn = zo;
-            }
-        }
+/* The inputs of one vector at entry j (lm: the live lanes of a partial last vector; full: all 16). */
+typedef struct {
+    __m512 gr, gs, vo, mo, po, zo;
+} vin_t;
+
+static inline __attribute__((always_inline)) vin_t vin_load_(
+        const int sf, const int full, __mmask16 lm, float *restrict p, const float *restrict g,
+        float *restrict m, float *restrict v, float *restrict z, int64_t j, const vhyper_t *k) {
+    vin_t x;
+    x.gr = vload_(full, lm, g + j);
+    x.gs = _mm512_mul_ps(x.gr, k->s);
+    x.vo = vload_(full, lm, v + j);
+    x.po = vload_(full, lm, p + j);
+    x.mo = sf ? _mm512_setzero_ps() : vload_(full, lm, m + j);
+    x.zo = sf ? vload_(full, lm, z + j) : _mm512_setzero_ps();
+    return x;
+}
+
+/* The exact (gated) values of one vector, counted: the path of a vector that failed the test below, and
+ * of every vector of a held or "skip" tensor. */
+static inline __attribute__((always_inline)) void vec_exact_(
+        const int sf, const int decay_z, const vin_t *x, __mmask16 lm, const vhyper_t *k, int hold, int skip_all,
+        __m512 *vn, __m512 *mn, __m512 *y, __m512 *zn, int64_t *vb, int64_t *un, int64_t *ub) {
+    const __mmask16 keep = hold ? lm : 0;
+    arith_(sf, decay_z, 1, x->gs, x->vo, x->mo, x->po, x->zo, _mm512_fpclass_ps_mask(x->gr, NONFINITE_), lm, k,
+           vn, mn, y, zn, vb);
+    *y = guard_(*y, x->po, _mm512_fpclass_ps_mask(*y, NONFINITE_) & lm, keep, un, ub);
+    if (sf) *zn = guard_(*zn, x->zo, _mm512_fpclass_ps_mask(*zn, NONFINITE_) & lm, keep, un, ub);
+    if (skip_all) { /* "skip": the tensor had a bad entry; counted, nothing written */
+        *y = x->po;
+        *vn = x->vo;
+        *mn = x->mo;
+        *zn = x->zo;
     }
+}
+
+static inline __attribute__((always_inline)) void vec_store_(
+        const int sf, const int full, __mmask16 lm, float *restrict p, float *restrict m, float *restrict v,
+        float *restrict z, int64_t j, __m512 vn, __m512 mn, __m512 y, __m512 zn) {
     vstore_(full, lm, p + j, y);
     vstore_(full, lm, v + j, vn);
     if (sf) vstore_(full, lm, z + j, zn);
     else vstore_(full, lm, m + j, mn);
+}
+
+/* The sum the speculation tests: a NaN or ±Inf in new v, y (or z) makes it non-finite. */
+static inline __attribute__((always_inline)) __m512 vcheck_(const int sf, __m512 vn, __m512 y, __m512 zn) {
+    return sf ? _mm512_add_ps(_mm512_add_ps(vn, y), zn) : _mm512_add_ps(vn, y);
+}
+
+/* One vector of update_block at entry j. Counts: vb, non-finite new v (the loop's moment stage, before
+ * subtracting the bad gradient entries); un/ub, NaN/non-finite new y and z. exact: a held or "skip"
+ * tensor, computed with the gates throughout (a compile-time constant, so the clean loop tests nothing
+ * else).
+ *
+ * Speculate, then verify, in registers: the stock arithmetic first, then one test of new v + y (+ z).
+ * A non-finite gradient entry makes its new v non-finite (NaN² is NaN, ±Inf² is Inf), and a new v, y or
+ * z that is NaN or ±Inf makes the sum so; when the test finds nothing, no gate would have selected
+ * anything and the stock values are the exact ones. Only a vector that fails it is computed again with
+ * the gates — from the inputs still in registers, since nothing has been stored. The sum can also
+ * overflow where every term is finite; that only takes the exact path. A new m that overflowed (AdamW)
+ * is not in the test, and needs not be: it makes d, and so y, non-finite. */
+static inline __attribute__((always_inline)) void vec_update_(
+        const int sf, const int gate, const int decay_z, const int full, const int exact, __mmask16 lm,
+        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
+        int64_t j, const vhyper_t *k, int hold, int skip_all, int64_t *vb, int64_t *un, int64_t *ub) {
+    const vin_t x = vin_load_(sf, full, lm, p, g, m, v, z, j, k);
+    __m512 vn, mn, y, zn = x.zo;
+    if (gate && exact) {
+        vec_exact_(sf, decay_z, &x, lm, k, hold, skip_all, &vn, &mn, &y, &zn, vb, un, ub);
+    } else {
+        arith_(sf, decay_z, 0, x.gs, x.vo, x.mo, x.po, x.zo, 0, lm, k, &vn, &mn, &y, &zn, vb);
+        if (gate && __builtin_expect((_mm512_fpclass_ps_mask(vcheck_(sf, vn, y, zn), NONFINITE_) & lm) != 0, 0))
+            vec_exact_(sf, decay_z, &x, lm, k, 0, 0, &vn, &mn, &y, &zn, vb, un, ub);
+    }
+    vec_store_(sf, full, lm, p, m, v, z, j, vn, mn, y, zn);
+}
+
+/* Two full vectors at j and j + 16 of the clean gated loop, tested together: one test of the sum of
+ * both vectors' sums (non-finite if any term is), and only a pair that fails it takes the exact path,
+ * vector by vector. Half the tests and branches of vec_update_ on the path every clean step takes. */
+static inline __attribute__((always_inline)) void vec_pair_(
+        const int sf, const int decay_z, float *restrict p, const float *restrict g, float *restrict m,
+        float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb, int64_t *un,
+        int64_t *ub) {
+    const __mmask16 all = (__mmask16)0xFFFF;
+    const vin_t a = vin_load_(sf, 1, all, p, g, m, v, z, j, k), b = vin_load_(sf, 1, all, p, g, m, v, z, j + 16, k);
+    __m512 vna, mna, ya, zna = a.zo, vnb, mnb, yb, znb = b.zo;
+    arith_(sf, decay_z, 0, a.gs, a.vo, a.mo, a.po, a.zo, 0, all, k, &vna, &mna, &ya, &zna, vb);
+    arith_(sf, decay_z, 0, b.gs, b.vo, b.mo, b.po, b.zo, 0, all, k, &vnb, &mnb, &yb, &znb, vb);
+    const __m512 sum = _mm512_add_ps(vcheck_(sf, vna, ya, zna), vcheck_(sf, vnb, yb, znb));
+    if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0)) {
+        vec_exact_(sf, decay_z, &a, all, k, 0, 0, &vna, &mna, &ya, &zna, vb, un, ub);
+        vec_exact_(sf, decay_z, &b, all, k, 0, 0, &vnb, &mnb, &yb, &znb, vb, un, ub);
+    }
+    vec_store_(sf, 1, all, p, m, v, z, j, vna, mna, ya, zna);
+    vec_store_(sf, 1, all, p, m, v, z, j + 16, vnb, mnb, yb, znb);
 }
 
 /* The vectors of [b0, b1), with the lerp form (small: the uniform weight, β₁'s 1-β₁ for AdamW or the
@@ -95,17 +151,20 @@ static inline __attribute__((always_inline)) void vec_update_(
  * kept a compare and a branch in every iteration of the gated loop, which gcc hoists only from the
  * stock one. */
 static inline __attribute__((always_inline)) void vec_loop_(
-        const int sf, const int gate, const int decay_z, const int small,
+        const int sf, const int gate, const int decay_z, const int small, const int exact,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t b0, int64_t b1, const vhyper_t *k0, int hold, int skip_all, int64_t *vb, int64_t *un,
         int64_t *ub) {
     vhyper_t k = *k0;
     if (sf) k.u.small_c = small; else k.small_w = small;
     int64_t j = b0;
+    if (gate && !exact)
+        for (; j + 32 <= b1; j += 32) vec_pair_(sf, decay_z, p, g, m, v, z, j, &k, vb, un, ub);
     for (; j + 16 <= b1; j += 16)
-        vec_update_(sf, gate, decay_z, 1, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
+        vec_update_(sf, gate, decay_z, 1, exact, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, vb, un,
+                    ub);
     if (j < b1)
-        vec_update_(sf, gate, decay_z, 0, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
+        vec_update_(sf, gate, decay_z, 0, exact, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
 }
 
 /* update_block (scalar_step.c) for [b0, b1), same arguments and counts. */
@@ -120,10 +179,13 @@ static inline __attribute__((always_inline)) void update_block_avx512(
         fabsf(h.one_m_b1) < 0.5f, vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0;
-    if (sf ? k.u.small_c : k.small_w)
-        vec_loop_(sf, gate, decay_z, 1, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
+    const int small = sf ? k.u.small_c : k.small_w;
+    if (gate && (hold || skip_all))
+        vec_loop_(sf, gate, decay_z, small, 1, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
+    else if (small)
+        vec_loop_(sf, gate, decay_z, 1, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     else
-        vec_loop_(sf, gate, decay_z, 0, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     int64_t gn = 0, gb = 0;
     if (!clean && vb > 0) /* a bad gradient entry always makes its new v non-finite: recount from g */
         for (int64_t i = b0; i < b1; i++) {
