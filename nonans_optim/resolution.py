@@ -126,6 +126,7 @@ class Resolution:
         self.policy = check_policy(policy)
         self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
         self.repeat_window = repeat_window
+        self._native_cache: dict = {}  # native.record_step's checked pointers
         P, S, K = num_params, len(STAGES), ring_size
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
@@ -168,7 +169,7 @@ class Resolution:
             from . import native as _native
             if _native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
                                    min_scale=self.min_scale, growth_interval=self.growth_interval,
-                                   repeat_window=self.repeat_window):
+                                   repeat_window=self.repeat_window, cache=self._native_cache):
                 return
         t = self.tensors
         stage_event = step_counts.sum(-1) > 0  # (P, S)
