@@ -64,7 +64,7 @@ class NonansOptimizer(Optimizer):
     _schedule_free: bool = False
     _uses_polyak: bool = False
     #: implementations this optimizer accepts for ``impl=``.
-    _impls: tuple[str, ...] = ("loop", "foreach", "compiled")
+    _impls: tuple[str, ...] = ("auto", "loop", "foreach", "compiled")
 
     def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
                  spike_factor: float | None = None):
@@ -262,7 +262,7 @@ class NonansOptimizer(Optimizer):
             ctx["index"] += len(group["params"])
         if res is not None:
             res.record_step(st["step"], self._assemble_counts(ctx, res.num_params, res.tensors["scale"].device),
-                            native=self.impl == "fused")
+                            native=self.impl in ("fused", "auto"))
         return loss
 
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
@@ -279,9 +279,9 @@ class NonansOptimizer(Optimizer):
         return dict(zip(js, guarded))
 
     def _guard_in_kernel(self) -> bool:
-        """True when impl="compiled" can run, and always for impl="fused": their kernels apply the spike
-        guard themselves (and a fallback to eager applies it there, see ``compiled_scalar_update``)."""
-        if self.impl == "fused":
+        """True when impl="compiled" can run, and always for impl="fused" and "auto": their kernels apply the
+        spike guard themselves (and a fallback to eager applies it there: ``_common.eager_guard``)."""
+        if self.impl in ("fused", "auto"):
             return True
         if self.impl != "compiled":
             return False

@@ -8,7 +8,7 @@ from torch.autograd.graph import increment_version
 
 from ..resolution import STAGE_INDEX, STAGES, inspect
 
-__all__ = ["record", "dense_counts", "recent_flags", "mark_written", "resolution_written", "take_snapshot",
+__all__ = ["record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written", "take_snapshot",
            "hold_flag", "commit_update", "restore_if_bad"]
 
 
@@ -18,6 +18,12 @@ def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | N
         key = (index, STAGE_INDEX[stage])
         prev = ctx["counts"].get(key)
         ctx["counts"][key] = counts if prev is None else prev + counts
+
+
+def eager_guard(grads: list[torch.Tensor], indices: list[int], ctx: dict[str, Any]) -> list[torch.Tensor]:
+    """The spike guard for a group that falls back from a kernel to an eager path: the base leaves the guard
+    to the kernels (``ctx["guard_in_kernel"]``), so the fallback applies it here, exactly once."""
+    return ctx["guard"](grads, indices, ctx) if ctx["guard_in_kernel"] else grads
 
 
 def dense_counts(ctx: dict[str, Any], device: torch.device) -> torch.Tensor:

@@ -51,6 +51,7 @@ import torch
 
 from ..functional.spike import spike_scale
 from ..resolution import STAGES, finite_mask, storable_mask  # |x| < inf: one vectorised compare once compiled
+from ._common import eager_guard
 
 __all__ = ["compiled_scalar_update", "compile_available", "compiled", "count", "nonfinite_counts",
            "guard_spikes", "stage_rows", "group_kernel_args"]
@@ -276,10 +277,8 @@ def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     from ._scalar import scalar_update  # deferred: _scalar imports this module
 
     def eager(grads):
-        if ctx["guard_in_kernel"]:
-            grads = ctx["guard"](grads, indices, ctx)
-        return scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c,
-                             impl="foreach")
+        return scalar_update(params, eager_guard(grads, indices, ctx), states, indices, group, ctx, sf=sf,
+                             gamma=gamma, c=c, impl="foreach")
 
     if not compile_available():
         return eager(grads)

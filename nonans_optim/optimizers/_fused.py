@@ -29,7 +29,7 @@ from ._common import dense_counts, mark_written, resolution_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
-__all__ = ["fused_scalar_update", "pointers", "resolution_pointers"]
+__all__ = ["fused_scalar_update", "native_scalar_update", "pointers", "resolution_pointers"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
@@ -71,16 +71,26 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
         if triton_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c):
             return None
         return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
+    if native_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c):
+        return None
+    if params[0].is_cpu and native.failure() is not None:
+        _warn_unavailable()
+    return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
+
+
+def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                         indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
+                         gamma: torch.Tensor, c: float) -> bool:
+    """The step in the native CPU loop; False (nothing changed) when it does not cover the group (a CUDA
+    or non-fp32 tensor, a strided one, no C compiler): the caller picks the fallback."""
     lib = native.library() if params[0].is_cpu else None
-    ptrs = None
+    if lib is None or not (gamma.is_cpu and gamma.dtype is torch.float32):
+        return False
     seconds = [st["z" if sf else "exp_avg"] for st in states]  # schedule-free keeps z, AdamW m
     vs, steps = [st["exp_avg_sq"] for st in states], [st["step"] for st in states]
-    if lib is not None:
-        ptrs = [pointers(x) for x in (params, grads, seconds, vs, steps)]
-    if lib is None or any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
-        if params[0].is_cpu and native.failure() is not None:
-            _warn_unavailable()
-        return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
+    ptrs = [pointers(x) for x in (params, grads, seconds, vs, steps)]
+    if any(x is None for x in ptrs):
+        return False
     p_ptr, g_ptr, second, v_ptr, step_ptr = ptrs
     nulls = (ctypes.c_void_p * len(params))()
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
@@ -98,3 +108,4 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")
     mark_written(params, seconds, vs, steps, resolution_written(ctx))
+    return True

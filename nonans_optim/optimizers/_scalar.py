@@ -20,9 +20,9 @@ import torch
 from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop, sf_moments
 from ..functional.schedule_free import sf_update_
 from ..resolution import finite_mask
-from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
+from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled import compiled_scalar_update
-from ._fused import fused_scalar_update
+from ._fused import fused_scalar_update, native_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
 
@@ -40,7 +40,14 @@ def scalar_init_state(p: torch.Tensor, *, sf: bool) -> dict[str, torch.Tensor]:
 def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                   indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                   gamma: torch.Tensor, c: float, impl: str) -> None:
-    """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak)."""
+    """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak).
+
+    ``impl="auto"``: the native loop where it covers the group (contiguous fp32 CPU tensors and a C
+    compiler), else "foreach" — never a compile step or a warning, which a default must not bring."""
+    if impl == "auto":
+        if native_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c):
+            return None
+        grads, impl = eager_guard(grads, indices, ctx), "foreach"
     if impl == "fused":
         return fused_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
     if impl == "compiled":

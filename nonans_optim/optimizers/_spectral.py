@@ -27,7 +27,7 @@ from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
 from ..resolution import finite_mask, inspect, tensor_counts
 from ..routing import matrix_shape
-from ._common import commit_update, hold_flag, record, restore_if_bad, take_snapshot
+from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled_spectral import compiled_spectral_update
 from ._fused_spectral import fused_spectral_update
 
@@ -76,14 +76,15 @@ def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: 
 def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                     indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
                     comps: frozenset[str], gamma: torch.Tensor, c: float, impl: str) -> None:
-    if impl == "fused" and fused_spectral_update(params, grads, states, indices, group, ctx, comps=comps,
-                                                 gamma=gamma, c=c):
+    if impl in ("fused", "auto") and fused_spectral_update(params, grads, states, indices, group, ctx,
+                                                            comps=comps, gamma=gamma, c=c):
         return
-    if impl in ("compiled", "fused"):  # fused falls back to compiled where its loops do not cover the group
-        if compiled_spectral_update(params, grads, states, indices, group, ctx, comps=comps, gamma=gamma, c=c):
-            return
-        if ctx["guard_in_kernel"]:  # the base left the guard to the compiled kernels
-            grads = ctx["guard"](grads, indices, ctx)
+    # fused falls back to compiled where its loops do not cover the group; auto falls back to foreach
+    if impl in ("compiled", "fused") and compiled_spectral_update(params, grads, states, indices, group, ctx,
+                                                                  comps=comps, gamma=gamma, c=c):
+        return
+    if impl in ("compiled", "fused", "auto"):  # the base left the guard to the kernels
+        grads, impl = eager_guard(grads, indices, ctx), "foreach"
     res = ctx["resolution"]
     repair = res is not None
     for st in states:

@@ -19,7 +19,7 @@ __all__ = ["AdamW", "SFAdamW"]
 
 class _ScalarOnly(NonansOptimizer):
     _sf = False
-    _impls = ("loop", "foreach", "compiled", "fused")
+    _impls = ("auto", "loop", "foreach", "compiled", "fused")
 
     def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
         return frozenset(scalar_init_state(p, sf=self._sf))
@@ -48,17 +48,19 @@ class AdamW(_ScalarOnly):
     """AdamW (Loshchilov & Hutter 2019) that repairs NaN/Inf gradients inside ``step()``.
 
     Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
-    ``impl`` is ``"foreach"`` (default), ``"loop"`` (the readable ground truth), ``"compiled"``
-    (torch.compile) or ``"fused"`` (one native CPU loop per step for contiguous fp32 CPU tensors, built with
-    the system C compiler on first use, and multi-tensor Triton kernels on CUDA; everything else runs
-    ``"compiled"``: see :mod:`nonans_optim.optimizers._fused` and ``._fused_triton``); ``warmup_steps`` ramps
+    ``impl`` is ``"auto"`` (default: ``"fused"``'s native loop where it covers a group — contiguous fp32
+    CPU tensors, a C compiler —, else ``"foreach"``; never a compile step or a warning), ``"foreach"``,
+    ``"loop"`` (the readable ground truth), ``"compiled"`` (torch.compile) or ``"fused"`` (one native CPU
+    loop per step for contiguous fp32 CPU tensors, built with the system C compiler on first use, and
+    multi-tensor Triton kernels on CUDA; everything else runs ``"compiled"``: see
+    :mod:`nonans_optim.optimizers._fused` and ``._fused_triton``); ``warmup_steps`` ramps
     the lr linearly over the first steps (0: off); ``spike_factor`` rescales a finite gradient whose norm
     exceeds that multiple of its running mean (default 10, chosen by ``python -m experiments spikes``;
     None: off; see :mod:`nonans_optim.functional.spike`)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0):
+                 resolution: str = "repair", impl: str = "auto", spike_factor: float | None = 10.0):
         check_betas("betas", betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=warmup_steps)
@@ -77,7 +79,7 @@ class SFAdamW(_ScalarOnly):
 
     def __init__(self, params, lr: float = 2.5e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0):
+                 resolution: str = "repair", impl: str = "auto", spike_factor: float | None = 10.0):
         check_betas("betas", betas)
         if betas[0] <= 0:
             raise ValueError(f"Invalid betas[0]: {betas[0]} (the schedule-free interpolation weight must be > 0:"

@@ -59,14 +59,16 @@ class Fusion(NonansOptimizer):
         spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
             (default 10, chosen by ``python -m experiments spikes``; None: off;
             :mod:`nonans_optim.functional.spike`).
-        impl: "foreach" (batched NS5 per shape, default), "loop" (ground truth), "compiled" (the
+        impl: "auto" (default: "fused" where its native CPU loops cover a group, else "foreach"; CUDA
+            runs "foreach" until the Triton paths are measured on a GPU), "foreach" (batched NS5 per
+            shape), "loop" (ground truth), "compiled" (the
             elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
             "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; on
             CUDA the scalar (AdamW) tensors take the Triton step of :mod:`._fused_triton`; spectral groups
             they do not cover — CUDA, fp16 NS5 — run "compiled").
     """
 
-    _impls = ("loop", "foreach", "compiled", "fused")
+    _impls = ("auto", "loop", "foreach", "compiled", "fused")
 
     def __init__(self, params, *, components, lr: float = 1e-3, weight_decay: float = 0.01,
                  momentum: float = 0.95, nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.999),
@@ -74,7 +76,7 @@ class Fusion(NonansOptimizer):
                  normuon_eps: float = 1e-8, mona_alpha: float = 0.1, mona_beta: float = 0.9,
                  shampoo_beta: float = 0.95, shampoo_refresh_every: int = 10, ns_steps: int = 5,
                  ns5_dtype: str = "auto", warmup_steps: int = 0, polyak: bool = True,
-                 resolution: str = "repair", impl: str = "foreach", spike_factor: float | None = 10.0,
+                 resolution: str = "repair", impl: str = "auto", spike_factor: float | None = 10.0,
                  momentum_dtype: str = "auto"):
         comps = frozenset(components)
         if momentum_dtype not in MOMENTUM_DTYPES:

@@ -1,0 +1,81 @@
+"""impl="auto", every optimizer's default: the native loops of impl="fused" where they cover a group, and
+impl="foreach" everywhere else — without the compile step or the warning that impl="fused" falls back
+with, since a default must not bring either.
+
+Each case trains TinyNet (every routing case) on a fault sequence — a NaN, an Inf, a finite gradient
+spike that triggers the guard — and requires *identical* parameters, state and resolution counters to
+the implementation that auto claims to be: "fused" with the native library, "foreach" without it
+(``NONANS_NATIVE=0``, no C compiler) or for bf16 parameters on CPU.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import nonans_optim as no
+from nonans_optim import native
+from optim_infos import INFOS, make_model, state_tensors, train_steps
+
+BASE = [i for i in INFOS if "impl" not in i.kwargs]  # the optimizers as a user constructs them
+STEPS = 6
+
+
+def _inject(step: int, model) -> None:
+    g = model.fc1.weight.grad
+    if step == 2:
+        g[0, 0], g[3, 5] = float("nan"), float("inf")
+    if step == 4:
+        g.mul_(1e4)  # a finite spike: the default spike guard (factor 10) triggers on it
+    if step == 5:
+        model.head.bias.grad[1] = float("-inf")
+
+
+def _run(info, impl: str | None, *, dtype=torch.float32):
+    model = make_model(dtype=dtype)
+    kw = {} if impl is None else {"impl": impl}
+    opt = info.make(no.param_groups(model) if info.cls not in (no.AdamW, no.SFAdamW) else model.parameters(),
+                    **kw)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+        warnings.simplefilter("error")  # auto must fall back silently; "fused" may not warn either here
+        train_steps(model, opt, STEPS, inject=_inject)
+    return model, opt
+
+
+def _assert_identical(ref, got) -> None:
+    (ref_model, ref_opt), (got_model, got_opt) = ref, got
+    for (name, p), q in zip(ref_model.named_parameters(), got_model.parameters()):
+        assert torch.equal(p, q), name
+    ref_state, got_state = state_tensors(ref_opt), state_tensors(got_opt)
+    assert ref_state.keys() == got_state.keys()
+    for key, val in ref_state.items():
+        assert torch.equal(val, got_state[key]), key
+    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
+    for key, val in ref_res.items():
+        assert torch.equal(val, got_res[key]), key
+    assert int(got_res["events"][:, 5].sum()) > 0  # the guard fired (stage "spike"): the case is real
+
+
+@pytest.mark.parametrize("info", BASE, ids=[i.name for i in BASE])
+def test_auto_is_the_default(info):
+    assert info.make([torch.nn.Parameter(torch.zeros(3, 3))]).impl == "auto"
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
+@pytest.mark.parametrize("info", BASE, ids=[i.name for i in BASE])
+def test_auto_is_fused_where_the_native_loops_cover(info):
+    _assert_identical(_run(info, "fused"), _run(info, None))
+
+
+@pytest.mark.parametrize("info", BASE, ids=[i.name for i in BASE])
+def test_auto_is_foreach_without_the_native_library(info, monkeypatch):
+    """The spike guard, which the native loops apply inside, is then applied once, eagerly."""
+    monkeypatch.setattr(native, "library", lambda: None)
+    _assert_identical(_run(info, "foreach"), _run(info, None))
+
+
+@pytest.mark.parametrize("info", [i for i in BASE if i.name in ("AdamW", "SFNorMuon")], ids=["AdamW", "SFNorMuon"])
+def test_auto_is_foreach_for_groups_the_native_loops_do_not_cover(info):
+    """bf16 parameters on CPU: impl="fused" would compile (inductor); auto runs foreach, silently."""
+    _assert_identical(_run(info, "foreach", dtype=torch.bfloat16), _run(info, None, dtype=torch.bfloat16))
