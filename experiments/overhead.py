@@ -39,23 +39,25 @@ from experiments.step_time import ROOT, interleaved, machine_info, sync
 
 LR = 1e-3
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "AdamW (foreach)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol),
+    "AdamW (foreach)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="foreach"),
     "AdamW (compiled)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="compiled"),
     "AdamW (fused)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
     # the same, without the spike guard: what the guard's read-only pre-pass over g costs
     "AdamW (fused, spike_factor=None)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol,
                                                                 impl="fused", spike_factor=None),
-    "SFAdamW": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol),
+    "SFAdamW (foreach)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol, impl="foreach"),
     "SFAdamW (fused)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
     "SFAdamW (fused, spike_factor=None)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol,
                                                                     impl="fused", spike_factor=None),
-    "SFNorMuon": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol),
+    "SFNorMuon (foreach)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
+                                                       impl="foreach"),
     "SFNorMuon (compiled)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
                                                         impl="compiled"),
     "SFNorMuon (fused)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
-    "FullFusion": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol),
+    "FullFusion (foreach)": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol,
+                                                         impl="foreach"),
     "FullFusion (fused)": lambda m, pol: no.FullFusion(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
-    "Muon": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol),
+    "Muon (foreach)": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol, impl="foreach"),
     "Muon (fused)": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
 }
 POLICIES = ("repair", "off")
@@ -164,6 +166,13 @@ def _size_sweep(args, device) -> list[dict[str, Any]]:
     return rows
 
 
+def _auto_runs(device: torch.device) -> str:
+    """Which rows the default, impl="auto", runs on ``device``: the native loops where they build (CPU),
+    foreach elsewhere (nonans_optim/optimizers/_scalar.py::scalar_update)."""
+    from nonans_optim import native
+    return "fused" if device.type == "cpu" and native.library() is not None else "foreach"
+
+
 def run(args) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,6 +210,7 @@ def run(args) -> dict[str, Any]:
                          "sample_ms": args.sample_ms, "inner_step": step_inner, "inner_train_step": train_inner,
                          "wall_s": time.perf_counter() - t0},
             "targets": {"cpu_step_ratio_max": 1.02, "gpu_train_share_max": 0.003, "applies": limit},
+            "auto_runs": _auto_runs(device),
             "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
             "raw_ms": {"step": {k: [1e3 * x for x in v] for k, v in step_times.items()},
                        "train_step": {k: [1e3 * x for x in v] for k, v in train_times.items()}}}
@@ -257,6 +267,10 @@ def render(data: dict[str, Any]) -> str:
                      f"{'met by every optimizer' if not miss else 'met by ' + (', '.join(met) or 'none')}"
                      f"{'' if not miss else '; MISSED by ' + ', '.join(miss)}. "
                      "No GPU in this run: the GPU target (≤ 0.3% of a training step) was not measured.")
+    if "auto_runs" in data:
+        lines.append(f"\nThe default, `impl=\"auto\"`, runs the \"({data['auto_runs']})\" rows here. The spike "
+                     "guard (`spike_factor=10`, the default) is part of every \"repair\" row; the "
+                     "`spike_factor=None` rows show what the AdamW family pays for the guard's extra read of g.")
     if data.get("size_sweep"):
         b = data["bytes_per_entry"]
         lines += ["", "**AdamW (fused) by tensor size** — one fp32 tensor, clean steps, paired ratios against "

@@ -158,17 +158,17 @@ def _peer_factories() -> dict[str, Callable]:
 def _our_factories() -> dict[str, Callable]:
     groups = no.param_groups
     return {
-        "ours AdamW (foreach, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR),
+        "ours AdamW (foreach, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR, impl="foreach"),
         "ours AdamW (compiled, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR, impl="compiled"),
         "ours AdamW (fused, repair)": lambda m, h, r: no.AdamW(m.parameters(), lr=LR, impl="fused"),
-        "ours SFAdamW (foreach, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR),
+        "ours SFAdamW (foreach, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR, impl="foreach"),
         "ours SFAdamW (compiled, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR,
                                                                       impl="compiled"),
         "ours SFAdamW (fused, repair)": lambda m, h, r: no.SFAdamW(m.parameters(), lr=LR, impl="fused"),
-        "ours SFNorMuon (foreach, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR),
+        "ours SFNorMuon (foreach, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR, impl="foreach"),
         "ours SFNorMuon (compiled, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR, impl="compiled"),
         "ours SFNorMuon (fused, repair)": lambda m, h, r: no.SFNorMuon(groups(m), lr=LR, impl="fused"),
-        "ours FullFusion (foreach, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR),
+        "ours FullFusion (foreach, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR, impl="foreach"),
         "ours FullFusion (compiled, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR,
                                                                             impl="compiled"),
         "ours FullFusion (fused, repair)": lambda m, h, r: no.FullFusion(groups(m), lr=LR, impl="fused"),

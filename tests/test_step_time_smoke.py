@@ -50,8 +50,9 @@ def test_step_time_quick(tmp_path):
 def test_overhead_quick(tmp_path):
     data = _run("overhead", tmp_path)
     expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=None)",
-                "SFAdamW", "SFAdamW (fused)", "SFAdamW (fused, spike_factor=None)", "SFNorMuon", "SFNorMuon (compiled)", "SFNorMuon (fused)",
-                "FullFusion", "FullFusion (fused)", "Muon", "Muon (fused)"]
+                "SFAdamW (foreach)", "SFAdamW (fused)", "SFAdamW (fused, spike_factor=None)", "SFNorMuon (foreach)",
+                "SFNorMuon (compiled)", "SFNorMuon (fused)", "FullFusion (foreach)", "FullFusion (fused)",
+                "Muon (foreach)", "Muon (fused)"]
     assert [r["optimizer"] for r in data["rows"]] == expected
     for r in data["rows"]:
         for part in ("step", "train_step"):
@@ -72,6 +73,7 @@ def test_overhead_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     section = md.read_text()
     assert "<!-- overhead:begin -->" in section and "Target (CPU)" in section
+    assert data["auto_runs"] in ("fused", "foreach") and f'runs the "({data["auto_runs"]})" rows' in section
     assert all(f"| {name} |" in section and f"{name} (" in section.split("Target (CPU)")[1] for name in expected)
 
 
