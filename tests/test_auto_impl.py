@@ -34,7 +34,7 @@ def _inject(step: int, model) -> None:
 
 def _run(info, impl: str | None, *, dtype=torch.float32):
     model = make_model(dtype=dtype)
-    kw = {} if impl is None else {"impl": impl}
+    kw = {"impl": "auto"} if impl is None else {"impl": impl}
     opt = info.make(no.param_groups(model) if info.cls not in (no.AdamW, no.SFAdamW) else model.parameters(),
                     **kw)
     with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
@@ -59,7 +59,7 @@ def _assert_identical(ref, got) -> None:
 
 @pytest.mark.parametrize("info", BASE, ids=[i.name for i in BASE])
 def test_auto_is_the_default(info):
-    assert info.make([torch.nn.Parameter(torch.zeros(3, 3))]).impl == "auto"
+    assert info.cls([torch.nn.Parameter(torch.zeros(3, 3))], **info.kwargs).impl == "auto"
 
 
 @pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
