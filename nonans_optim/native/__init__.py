@@ -107,7 +107,9 @@ def _build(cc: str, flags: list[str], out: Path) -> str | None:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.nonans_scalar_step
-    ptr, pp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    # Pointer arrays (pp) go as plain void*: ctypes arrays still convert, and so do the int64 arrays of
+    # optimizers/_fused.py::pointers (about 2 us cheaper per 52-tensor list than a c_void_p array).
+    ptr = pp = ctypes.c_void_p
     i32, i64, f32, f64 = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
     f.argtypes = [i64, pp, pp, pp, pp, pp, pp, ptr, ptr, f64, f64, ptr, i32, i32, i32, f32, f32, f32,
                   ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]

@@ -17,6 +17,7 @@ tensors already live in host memory, and the kernel reads nothing the step has n
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import warnings
 from typing import Any
@@ -29,17 +30,29 @@ from ._common import dense_counts, mark_written, resolution_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
-__all__ = ["fused_scalar_update", "native_scalar_update", "pointers", "resolution_pointers"]
+__all__ = ["fused_scalar_update", "native_scalar_update", "Int64Array", "pointers", "resolution_pointers"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
 
 
-def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32):
-    """ctypes array of data pointers, or None unless every tensor is a contiguous CPU tensor of ``dtype``
-    (a pointer to anything else — a CUDA address, a strided view — must never reach the C loops)."""
+class Int64Array:
+    """int64 values (data pointers, sizes) that ctypes passes to C as one ``void*`` (``_as_parameter_``),
+    built about 2 us faster per 52 entries than a ctypes array. It owns the array, so it must live until
+    the call returns — a local in the calling function does."""
+
+    __slots__ = ("_array", "_as_parameter_")
+
+    def __init__(self, ptrs: list[int]):
+        self._array = array.array("q", ptrs)
+        self._as_parameter_ = ctypes.c_void_p(self._array.buffer_info()[0] if ptrs else None)
+
+
+def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> Int64Array | None:
+    """The data pointers, or None unless every tensor is a contiguous CPU tensor of ``dtype`` (a pointer
+    to anything else — a CUDA address, a strided view — must never reach the C loops)."""
     ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is dtype and t.is_contiguous()]
-    return (ctypes.c_void_p * len(ptrs))(*ptrs) if len(ptrs) == len(tensors) else None
+    return Int64Array(ptrs) if len(ptrs) == len(tensors) else None
 
 
 def resolution_pointers(ctx: dict[str, Any], indices: list[int]) -> dict[str, Any]:
@@ -92,17 +105,17 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     if any(x is None for x in ptrs):
         return False
     p_ptr, g_ptr, second, v_ptr, step_ptr = ptrs
-    nulls = (ctypes.c_void_p * len(params))()
+    nulls = Int64Array([0] * len(params))
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     beta1, beta2 = group["betas"]
     coef = group["sf_beta"] * (1 - c) - 1 if sf else 0.0
     # fp32 exactly as the other implementations round them: host doubles, rounded once.
     hp = (ctypes.c_float * 7)(1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef)
-    numel = (ctypes.c_int64 * len(params))(*[p.numel() for p in params])
+    numel = Int64Array([p.numel() for p in params])
     r = resolution_pointers(ctx, indices)
     rc = lib.nonans_scalar_step(
         len(params), p_ptr, g_ptr, nulls if sf else second, v_ptr, second if sf else nulls, step_ptr,
-        ctypes.addressof(numel), gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
+        numel, gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
         int(sf), int(sf and group["weight_decay"] != 0), r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"],
         r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads())
     if rc != 0:

@@ -37,7 +37,7 @@ from ..resolution import STAGE_INDEX
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
 from ._common import dense_counts, mark_written, resolution_written
-from ._fused import pointers, resolution_pointers
+from ._fused import Int64Array, pointers, resolution_pointers
 
 __all__ = ["fused_spectral_update"]
 
@@ -52,7 +52,7 @@ def _member_pointers(stacks: list[torch.Tensor], buckets, n: int):
         step = X[0].numel() * X.element_size()
         for j, i in enumerate(members):
             ptrs[i] = X.data_ptr() + j * step
-    return (ctypes.c_void_p * n)(*ptrs)
+    return Int64Array(ptrs)
 
 
 _WORKSPACE = WeakIdKeyDictionary()  # tensors hash by identity here (a WeakKeyDictionary would compare them)
@@ -138,10 +138,9 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         return False
     p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr, prev_ptr, avg_ptr = ptrs
     n = len(params)
-    nulls = (ctypes.c_void_p * n)()
+    nulls = Int64Array([0] * n)
     shapes = [matrix_shape(p) for p in params]
-    rows = (ctypes.c_int64 * n)(*[s[0] for s in shapes])
-    cols = (ctypes.c_int64 * n)(*[s[1] for s in shapes])
+    rows, cols = Int64Array([s[0] for s in shapes]), Int64Array([s[1] for s in shapes])
     buckets = _buckets(params)
     inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(params[0], tuple(shapes), buckets, hot,
                                                                      shampoo)
@@ -152,7 +151,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     hp_mona = (ctypes.c_float * 2)(group["mona_alpha"], 1 - group["mona_beta"])
     rc = lib.nonans_spectral_pre(
         n, g_ptr, b_ptr, int(buf_dtype is torch.bfloat16), _member_pointers(raws if shampoo else inputs, buckets, n),
-        int(hot is torch.bfloat16 and not shampoo), ctypes.addressof(rows), ctypes.addressof(cols), step_ptr,
+        int(hot is torch.bfloat16 and not shampoo), rows, cols, step_ptr,
         ctypes.addressof(hp_pre), int(group["nesterov"]), prev_ptr if mona else None, avg_ptr if mona else None,
         ctypes.addressof(hp_mona) if mona else None, int(shampoo), _POLICY[policy], r["factor"], SPIKE_BETA,
         1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
@@ -170,7 +169,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
                                    coef)
     rc = lib.nonans_spectral_post(
         n, _member_pointers(outs, buckets, n), int(outs[0].dtype is torch.bfloat16), p_ptr,
-        z_ptr if sf else nulls, v_ptr if normuon else nulls, ctypes.addressof(rows), ctypes.addressof(cols),
+        z_ptr if sf else nulls, v_ptr if normuon else nulls, rows, cols,
         row_ok.data_ptr() if gate else None, hold.data_ptr(), gamma.data_ptr(), ctypes.addressof(hp_post),
         int(normuon), int(sf), int(sf and group["weight_decay"] != 0), _POLICY[policy], r["sel"], r["scale"],
         r["dense"], threads)
