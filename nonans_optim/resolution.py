@@ -165,7 +165,7 @@ class Resolution:
         ``native``: do it in the C loop of :mod:`nonans_optim.native` when it is available and the tensors
         are on the CPU (``impl="fused"``: there these twenty small ops cost more than the repair itself);
         the torch code below is the ground truth it is tested against."""
-        if native:
+        if native and self.tensors["scale"].is_cpu:  # never build the C library for CUDA counters
             from . import native as _native
             if _native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
                                    min_scale=self.min_scale, growth_interval=self.growth_interval,
