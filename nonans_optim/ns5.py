@@ -67,18 +67,23 @@ GRAM_MIN_ASPECT = 3.0
 _METHODS = ("auto", "standard", "gram")
 
 
-@functools.lru_cache(maxsize=None)
+_NATIVE_BF16: list[bool] = []  # filled once; a plain global, not lru_cache, so torch.compile traces it
+
+
 def _cpu_has_native_bf16() -> bool:
     """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16).
 
     Measured on the CI machines: bf16 matmul ≈ 2.1x fp32 there, fp16 ≈ 50x *slower* than fp32, so fp16 is
-    never the CPU default."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return ("avx512_bf16" in flags) or ("amx_bf16" in flags)
+    never the CPU default. Read once (the optimizers ask at construction); a user's torch.compile'd
+    training step then reads the cached answer — dynamo warns about tracing into an lru_cache."""
+    if not _NATIVE_BF16:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+                flags = f.read()
+        except OSError:
+            flags = ""
+        _NATIVE_BF16.append(("avx512_bf16" in flags) or ("amx_bf16" in flags))
+    return _NATIVE_BF16[0]
 
 
 def hot_dtype(device: torch.device | str, requested: str | torch.dtype | None = "auto") -> torch.dtype:

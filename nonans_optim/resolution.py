@@ -165,12 +165,8 @@ class Resolution:
         ``native``: do it in the C loop of :mod:`nonans_optim.native` when it is available and the tensors
         are on the CPU (``impl="fused"``: there these twenty small ops cost more than the repair itself);
         the torch code below is the ground truth it is tested against."""
-        if native and self.tensors["scale"].is_cpu:  # never build the C library for CUDA counters
-            from . import native as _native
-            if _native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
-                                   min_scale=self.min_scale, growth_interval=self.growth_interval,
-                                   repeat_window=self.repeat_window, cache=self._native_cache):
-                return
+        if native and self.tensors["scale"].is_cpu and self._record_native(step, step_counts):
+            return  # (CUDA counters never try it: auto on CUDA must not build the C library)
         t = self.tensors
         stage_event = step_counts.sum(-1) > 0  # (P, S)
         param_event = stage_event.any(-1)  # (P,)
@@ -198,6 +194,13 @@ class Resolution:
         t["ring_escalated"].index_copy_(0, slot, escalated.unsqueeze(0))
         t["ring_step"].index_copy_(0, slot, torch.full((1,), step, dtype=torch.int64, device=slot.device))
         t["ring_ptr"] += param_event.any().to(torch.int64)
+
+    @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
+    def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
+        from . import native as _native
+        return _native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
+                                   min_scale=self.min_scale, growth_interval=self.growth_interval,
+                                   repeat_window=self.repeat_window, cache=self._native_cache)
 
     # ----- host side: only called from metrics()/events, never from step() -----
     def materialise(self, names: list[str | int], numels: list[int]) -> list[SingularityEvent]:

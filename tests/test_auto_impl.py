@@ -79,3 +79,31 @@ def test_auto_is_foreach_without_the_native_library(info, monkeypatch):
 def test_auto_is_foreach_for_groups_the_native_loops_do_not_cover(info):
     """bf16 parameters on CPU: impl="fused" would compile (inductor); auto runs foreach, silently."""
     _assert_identical(_run(info, "foreach", dtype=torch.bfloat16), _run(info, None, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
+@pytest.mark.parametrize("info", [i for i in BASE if i.name in ("AdamW", "SFNorMuon")], ids=["AdamW", "SFNorMuon"])
+def test_auto_inside_torch_compile(info):
+    """A user who compiles ``optimizer.step`` (or a training step around it): the native calls run eagerly
+    (``torch.compiler.disable``), the results are the eager ones, and dynamo has nothing to say about our
+    code (it used to trace into the native library's build cache and warn)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        model = make_model()
+        opt = info.make(no.param_groups(model) if info.cls is not no.AdamW else model.parameters(), impl="auto")
+        step = torch.compile(opt.step) if compiled else opt.step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_steps(model, opt, 3, inject=lambda i, m: _inject(2, m) if i == 1 else None)
+            for _ in range(2):  # and through the compiled step itself
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+                step()
+        ours = [str(w.message)[:200] for w in caught if "nonans_optim" in str(w.message) + str(w.filename)]
+        assert not ours, ours
+        runs.append((model, opt))
+    (ref_model, ref_opt), (got_model, got_opt) = runs
+    for p, q in zip(ref_model.parameters(), got_model.parameters()):
+        assert torch.equal(p, q)
+    assert [(e.step, e.stage) for e in got_opt.events] == [(e.step, e.stage) for e in ref_opt.events] != []

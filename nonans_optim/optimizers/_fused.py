@@ -91,6 +91,7 @@ def fused_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], s
     return compiled_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
 
 
+@torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
 def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                          indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                          gamma: torch.Tensor, c: float) -> bool:

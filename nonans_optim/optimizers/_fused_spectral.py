@@ -111,6 +111,7 @@ def _precondition(inputs, raws, buckets, params, grads, states, indices, group, 
         X.copy_(normalise(R))
 
 
+@torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
 def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                           indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
                           comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
