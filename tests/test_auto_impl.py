@@ -107,3 +107,12 @@ def test_auto_inside_torch_compile(info):
     for p, q in zip(ref_model.parameters(), got_model.parameters()):
         assert torch.equal(p, q)
     assert [(e.step, e.stage) for e in got_opt.events] == [(e.step, e.stage) for e in ref_opt.events] != []
+
+
+def test_auto_says_why_it_runs_foreach(monkeypatch, caplog):
+    """No warning (a default must not nag), but one INFO record naming the reason."""
+    monkeypatch.setenv("NONANS_NATIVE", "0")
+    monkeypatch.setattr(native, "_FAILURE", [])
+    with caplog.at_level("INFO", logger="nonans_optim.native"):
+        assert native.library.__wrapped__() is None
+    assert any("NONANS_NATIVE=0" in r.getMessage() and r.levelname == "INFO" for r in caplog.records)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -169,7 +170,17 @@ def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_sc
 
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first call; None when it cannot be built (see :func:`failure`)."""
+    """The loaded kernel library, built on first call; None when it cannot be built (see :func:`failure`).
+
+    impl="fused" warns when it is None; the default impl="auto" then runs foreach without a warning, and
+    says why once on the ``nonans_optim.native`` logger (INFO), for whoever wonders where the speed went."""
+    lib = _load()
+    if lib is None:
+        logging.getLogger(__name__).info("native kernels unavailable, impl='auto' runs foreach: %s", failure())
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
     if os.environ.get("NONANS_NATIVE", "1") == "0":
         _FAILURE.append("disabled by NONANS_NATIVE=0")
         return None
