@@ -163,7 +163,8 @@ class Resolution:
         """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state.
 
         ``native``: do it in the C loop of :mod:`nonans_optim.native` when it is available and the tensors
-        are on the CPU (``impl="fused"``: there these twenty small ops cost more than the repair itself);
+        are on the CPU (``impl="fused"`` and ``"auto"``: there these twenty small ops cost more than the
+        repair itself);
         the torch code below is the ground truth it is tested against."""
         if native and self.tensors["scale"].is_cpu and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)

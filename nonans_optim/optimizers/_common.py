@@ -8,8 +8,8 @@ from torch.autograd.graph import increment_version
 
 from ..resolution import STAGE_INDEX, STAGES, inspect
 
-__all__ = ["record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written", "take_snapshot",
-           "hold_flag", "commit_update", "restore_if_bad"]
+__all__ = ["record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
+           "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
 
 
 def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
