@@ -45,11 +45,18 @@ def _strip(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k != "train_curve"}
 
 
+def _default_impl() -> str:
+    """What the library default, impl="auto", runs here (the speed behind the wall-clock arm)."""
+    from nonans_optim import native
+    return "auto (fused: the native CPU loops)" if native.library() is not None else "auto (foreach)"
+
+
 def run(tasks: list[str], seeds: int, steps: dict[str, int], lr: float, optimizers: list[str],
         time_arm: bool = True, log=print) -> dict[str, Any]:
     out: dict[str, Any] = {"config": {"tasks": tasks, "seeds": seeds, "steps": steps, "lr": lr,
                                       "optimizers": optimizers, "time_arm": time_arm,
-                                      "polyak": "off (no set_loss)", "threads": torch.get_num_threads()},
+                                      "polyak": "off (no set_loss)", "threads": torch.get_num_threads(),
+                                      "impl": _default_impl()},
                            "env": environment(), "tasks": {}}
     for task in tasks:
         res: dict[str, Any] = {"step_arm": {o: [] for o in optimizers}, "time_arm": {o: [] for o in optimizers}}
@@ -136,11 +143,12 @@ def render(data: dict[str, Any]) -> str:
     summary = summarise(data)
     cfg = data["config"]
     parts = [f"Command: `{COMMAND}` (JSON: `results/ablation.json`, plots: `results/ablation_<task>.png`). "
-             f"lr {cfg['lr']} for every optimizer (library defaults otherwise; Polyak off), {cfg['seeds']} seeds, "
+             f"lr {cfg['lr']} for every optimizer (library defaults otherwise, impl "
+             f"{cfg.get('impl', 'foreach (the default before impl=auto)')}; Polyak off), {cfg['seeds']} seeds, "
              f"step budgets {cfg['steps']}, {cfg['threads']} CPU thread(s); measured {data['env']['date']}. "
              "Metric: char-LM validation loss (nats/char), digits validation error (%); lower is better; "
              "mean ± sd over seeds. Wall-clock arm: every optimizer trains for the median seconds AdamW took "
-             "for the step budget. it/s are CPU eager-mode numbers from the same run, noisy (shared machine)."]
+             "for the step budget. it/s are CPU numbers from the same run, noisy (shared machine)."]
     for task, rows in summary.items():
         secs = data["tasks"][task].get("seconds")
         table = []
