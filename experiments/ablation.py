@@ -130,7 +130,7 @@ def _verdicts(summary: dict[str, dict[str, dict[str, float]]]) -> list[list[str]
               ("Full Fusion beats SF-NorMuon at the same wall-clock", lambda t: better(t, "fullfusion", "sfnormuon")),
               ("Full Fusion runs at ~0.51x AdamW's it/s", lambda t: f"measured {fmt(summary[t]['fullfusion']['it_s_ratio'], 2)}x"),
               ("SF-NorMuon runs at ~1.00x AdamW's it/s (after compile)",
-               lambda t: f"measured {fmt(summary[t]['sfnormuon']['it_s_ratio'], 2)}x (eager, no compile)")]
+               lambda t: f"measured {fmt(summary[t]['sfnormuon']['it_s_ratio'], 2)}x (no torch.compile)")]
     for text, fn in claims:
         try:
             rows.append([text] + [fn(t) for t in summary])
