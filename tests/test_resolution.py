@@ -293,7 +293,7 @@ def test_one_percent_faulty_steps_end_near_the_clean_run():
     assert off != off  # NaN
 
 
-GPU_CASES = impl_cases(("foreach", "compiled"))
+GPU_CASES = impl_cases(("auto", "foreach", "compiled"))  # auto: the default users get
 
 
 @pytest.mark.gpu
