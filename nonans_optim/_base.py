@@ -101,6 +101,14 @@ class NonansOptimizer(Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _num_params(self) -> int:
+        """len(_all_params()) without building the list (asked on every step)."""
+        return sum(len(g["params"]) for g in self.param_groups)
+
+    def _first_param(self) -> torch.Tensor:
+        """_all_params()[0] without building the list; only called when there are parameters."""
+        return next(p for g in self.param_groups for p in g["params"])
+
     def _param_names(self) -> list[str | int]:
         names: list[str | int] = []
         for group in self.param_groups:
@@ -118,10 +126,10 @@ class NonansOptimizer(Optimizer):
         return st
 
     def _get_resolution(self) -> Resolution:
-        P = len(self._all_params())
+        P = self._num_params()
         st = self._global()
         if self._resolution is None or self._resolution.num_params != P:
-            res = Resolution(self.resolution_policy, P, self._all_params()[0].device)
+            res = Resolution(self.resolution_policy, P, self._first_param().device)
             saved = st.get("resolution")
             if saved is not None and saved["scale"].shape[0] == P:
                 res.load_state_dict(saved)
@@ -243,7 +251,7 @@ class NonansOptimizer(Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        if not self._all_params():
+        if not self._num_params():
             return loss
         if loss is not None and self._pending_loss is None and isinstance(loss, torch.Tensor):
             self.set_loss(loss)
@@ -313,7 +321,7 @@ class NonansOptimizer(Optimizer):
 
     def _before_groups(self, ctx: dict[str, Any]) -> None:
         """Optimizer-wide quantities computed once per step (subclasses add the Polyak multiplier)."""
-        device = self._all_params()[0].device
+        device = self._first_param().device
         ctx["unit_scale"] = torch.ones((), dtype=torch.float32, device=device)
         ctx["gamma_mult"] = None
 
