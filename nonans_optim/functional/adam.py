@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import finite_mask, inspect, storable_mask
+from ..resolution import inspect, storable_mask
 
 __all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad",
            "gate_overflow_"]
@@ -33,19 +33,6 @@ def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, t
     return torch.where(ok, g, fallback), counts
 
 
-def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Tensor,
-                        m_ok: torch.Tensor | None = None) -> torch.Tensor:
-    """Write ``v_new`` into ``v`` where finite (keep the old v elsewhere) and return the moment-stage
-    counts [0, overflow]: entries whose new v (g² > fp32 max) or, given ``m_ok`` (the first moment's
-    :func:`gate_overflow_` mask), new m is non-finite although the gradient was finite. A bad gradient
-    entry always makes its new v non-finite and never its m (gated to m itself), hence the subtraction."""
-    v_ok = finite_mask(v_new)
-    both = v_ok if m_ok is None else v_ok & m_ok
-    overflow = (v_new.numel() - torch.count_nonzero(both)) - g_counts.sum()
-    torch.where(v_ok, v_new, v, out=v)
-    return torch.stack((torch.zeros_like(overflow), overflow))
-
-
 def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Write ``new`` into ``buf`` where it is finite *as stored in buf's dtype* (a finite fp32 value near
     fp32's maximum can round to Inf in bf16); keep the old value elsewhere. Returns that mask (True: the
@@ -54,6 +41,18 @@ def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     ok = storable_mask(new, buf.dtype)
     torch.where(ok, new.to(buf.dtype), buf, out=buf)
     return ok
+
+
+def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Tensor,
+                        m_ok: torch.Tensor | None = None) -> torch.Tensor:
+    """Write ``v_new`` into ``v`` where finite (:func:`gate_overflow_`) and return the moment-stage
+    counts [0, overflow]: entries whose new v (g² > fp32 max) or, given ``m_ok`` (the first moment's
+    :func:`gate_overflow_` mask), new m is non-finite although the gradient was finite. A bad gradient
+    entry always makes its new v non-finite and never its m (gated to m itself), hence the subtraction."""
+    v_ok = gate_overflow_(v, v_new)
+    both = v_ok if m_ok is None else v_ok & m_ok
+    overflow = (v_new.numel() - torch.count_nonzero(both)) - g_counts.sum()
+    return torch.stack((torch.zeros_like(overflow), overflow))
 
 
 def _moments_one(g, m, v, beta1, beta2, repair):
