@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from nonans_optim.optimizers._fused import auto_choice
+
 from .questions_io import (RESULTS, ROOT, environment, fmt, md_table, mean_sd, new_figure, read_json,
                            replace_section, save_figure, wandb_run, write_json)
 from .tasks import OPTIMIZERS, make_task, train
@@ -45,18 +47,14 @@ def _strip(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k != "train_curve"}
 
 
-def _default_impl() -> str:
-    """What the library default, impl="auto", runs here (the speed behind the wall-clock arm)."""
-    from nonans_optim import native
-    return "auto (fused: the native CPU loops)" if native.library() is not None else "auto (foreach)"
-
-
 def run(tasks: list[str], seeds: int, steps: dict[str, int], lr: float, optimizers: list[str],
         time_arm: bool = True, log=print) -> dict[str, Any]:
     out: dict[str, Any] = {"config": {"tasks": tasks, "seeds": seeds, "steps": steps, "lr": lr,
                                       "optimizers": optimizers, "time_arm": time_arm,
                                       "polyak": "off (no set_loss)", "threads": torch.get_num_threads(),
-                                      "impl": _default_impl()},
+                                      # what the default, impl="auto", ran: the speed behind the wall-clock arm
+                                      "impl": {"fused": "auto (fused: the native CPU loops)",
+                                               "foreach": "auto (foreach)"}[auto_choice("cpu")]},
                            "env": environment(), "tasks": {}}
     for task in tasks:
         res: dict[str, Any] = {"step_arm": {o: [] for o in optimizers}, "time_arm": {o: [] for o in optimizers}}

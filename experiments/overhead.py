@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 import nonans_optim as no
+from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
 from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
@@ -166,13 +167,6 @@ def _size_sweep(args, device) -> list[dict[str, Any]]:
     return rows
 
 
-def _auto_runs(device: torch.device) -> str:
-    """Which rows the default, impl="auto", runs on ``device``: the native loops where they build (CPU),
-    foreach elsewhere (nonans_optim/optimizers/_scalar.py::scalar_update)."""
-    from nonans_optim import native
-    return "fused" if device.type == "cpu" and native.library() is not None else "foreach"
-
-
 def run(args) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,7 +204,7 @@ def run(args) -> dict[str, Any]:
                          "sample_ms": args.sample_ms, "inner_step": step_inner, "inner_train_step": train_inner,
                          "wall_s": time.perf_counter() - t0},
             "targets": {"cpu_step_ratio_max": 1.02, "gpu_train_share_max": 0.003, "applies": limit},
-            "auto_runs": _auto_runs(device),
+            "auto_runs": auto_choice(device),  # which rows the default, impl="auto", runs here
             "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
             "raw_ms": {"step": {k: [1e3 * x for x in v] for k, v in step_times.items()},
                        "train_step": {k: [1e3 * x for x in v] for k, v in train_times.items()}}}

@@ -16,6 +16,7 @@ import torch
 
 import nonans_optim as no
 from nonans_optim import native
+from nonans_optim.optimizers._fused import auto_choice
 from optim_infos import INFOS, make_model, state_tensors, train_steps
 
 BASE = [i for i in INFOS if "impl" not in i.kwargs]  # the optimizers as a user constructs them
@@ -65,6 +66,7 @@ def test_auto_is_the_default(info):
 @pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 @pytest.mark.parametrize("info", BASE, ids=[i.name for i in BASE])
 def test_auto_is_fused_where_the_native_loops_cover(info):
+    assert auto_choice("cpu") == "fused" and auto_choice("cuda") == "foreach"  # what the reports state
     _assert_identical(_run(info, "fused"), _run(info, None))
 
 
@@ -72,6 +74,7 @@ def test_auto_is_fused_where_the_native_loops_cover(info):
 def test_auto_is_foreach_without_the_native_library(info, monkeypatch):
     """The spike guard, which the native loops apply inside, is then applied once, eagerly."""
     monkeypatch.setattr(native, "library", lambda: None)
+    assert auto_choice("cpu") == "foreach"
     _assert_identical(_run(info, "foreach"), _run(info, None))
 
 

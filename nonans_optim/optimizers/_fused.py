@@ -30,7 +30,8 @@ from ._common import dense_counts, mark_written, resolution_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
-__all__ = ["fused_scalar_update", "native_scalar_update", "Int64Array", "pointers", "resolution_pointers"]
+__all__ = ["fused_scalar_update", "native_scalar_update", "auto_choice", "Int64Array", "pointers",
+           "resolution_pointers"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
@@ -66,6 +67,12 @@ def resolution_pointers(ctx: dict[str, Any], indices: list[int]) -> dict[str, An
                 scale=t["scale"].data_ptr(), streak=t["clean_streak"].data_ptr(), events=t["events"].data_ptr(),
                 dense=dense_counts(ctx, t["scale"].device).data_ptr(), window=res.repeat_window,
                 factor=ctx["spike_factor"] or 0.0)
+
+
+def auto_choice(device: torch.device | str) -> str:
+    """What ``impl="auto"`` runs for fp32 contiguous groups on ``device``: "fused" (the native loops) on a
+    CPU where they build, else "foreach" — for reports that must say which path they measured."""
+    return "fused" if torch.device(device).type == "cpu" and native.library() is not None else "foreach"
 
 
 def _warn_unavailable() -> None:
