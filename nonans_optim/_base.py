@@ -120,7 +120,7 @@ class NonansOptimizer(Optimizer):
         """Optimizer-level state, created lazily on the parameters' device."""
         st = self.state.get("nonans")
         if st is None:
-            device = self._all_params()[0].device
+            device = self._first_param().device
             st = {"step": 0, "polyak": init_polyak(device)}
             self.state["nonans"] = st
         return st
@@ -150,7 +150,7 @@ class NonansOptimizer(Optimizer):
         st = self.state.get("nonans")
         if st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
             self._training = bool(st.get("train_mode", True))
-            device = self._all_params()[0].device
+            device = self._first_param().device
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
                 st["resolution"] = {k: v.to(device) for k, v in st["resolution"].items()}
@@ -230,7 +230,7 @@ class NonansOptimizer(Optimizer):
         """Record the mode in the state too: a checkpoint taken after eval() holds x in the parameters, and
         the optimizer that loads it must know that, or its train() would not swap back to y."""
         self._training = training
-        if self._all_params():
+        if self._num_params():
             self._global()["train_mode"] = training
 
     def _swap(self, *, to_train: bool) -> None:  # overridden by schedule-free optimizers

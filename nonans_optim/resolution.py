@@ -31,8 +31,9 @@ POLICIES = ("repair", "skip", "off")
 # Where a non-finite value can be met. "grad": the incoming gradient. "moment": a moment update that
 # overflowed with a finite gradient (g² > fp32 max in exp_avg_sq; g - m inside the lerp of exp_avg, the
 # momentum buffer or MONA's average, when both are huge and of opposite signs): that entry keeps its value.
-# "direction": NS5 / KL-Shampoo / NorMuon output. "update": the new parameter or schedule-free z. "loss": the value given to set_loss(). "spike": a finite
-# gradient whose norm jumped above spike_factor × its running mean and was rescaled (counts: [0, 1]).
+# "direction": NS5 / KL-Shampoo / NorMuon output. "update": the new parameter or schedule-free z. "loss":
+# the value given to set_loss(). "spike": a finite gradient whose norm jumped above spike_factor × its
+# running mean and was rescaled (counts: [0, 1]).
 STAGES = ("grad", "moment", "direction", "update", "loss", "spike")
 STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
 
@@ -164,8 +165,7 @@ class Resolution:
 
         ``native``: do it in the C loop of :mod:`nonans_optim.native` when it is available and the tensors
         are on the CPU (``impl="fused"`` and ``"auto"``: there these twenty small ops cost more than the
-        repair itself);
-        the torch code below is the ground truth it is tested against."""
+        repair itself); the torch code below is the ground truth it is tested against."""
         if native and self.tensors["scale"].is_cpu and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
         t = self.tensors
