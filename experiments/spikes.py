@@ -288,8 +288,20 @@ def render(data: dict[str, Any]) -> str:
           f"{p['recovered']}/{p['cells']}", ", ".join(p["not_recovered"]) or "—"] for p in per.values()])
         + f"\n\n**Chosen default: `spike_factor={dec['default']}`** — {dec['why']}. Headroom: the largest "
         f"‖g‖ / running-mean ‖g‖ (the guard's ratio, β={SPIKE_BETA}) of any tensor on any clean unguarded run "
-        f"was {fmt(head[0], 3)} ({head[1]}).\n\n![spikes](results/spikes.png)")
+        f"was {fmt(head[0], 3)} ({head[1]}). {_where_default()}\n\n![spikes](results/spikes.png)")
     return "\n\n".join(parts)
+
+
+def _where_default() -> str:
+    """Which optimizers the library constructs with the guard on, read from the library when rendering."""
+    import nonans_optim as no
+    on, off = [], []
+    for name in ("SFNorMuon", "FullFusion", "Muon", "AdamW", "SFAdamW"):
+        factor = getattr(no, name)([torch.nn.Parameter(torch.zeros(3, 3))]).spike_factor
+        (on if factor is not None else off).append(f"{name} ({'None' if factor is None else fmt(factor)})")
+    return (f"The library's defaults: the guard is on for {', '.join(on) or 'none'} — their step computes the "
+            f"gradient norm anyway — and opt-in for {', '.join(off) or 'none'}, whose one-read Adam step would pay "
+            "an extra read of every gradient for it (RESULTS.md, \"overhead\": the `spike_factor=10` rows).")
 
 
 def _clean(rows: list[dict[str, Any]], task: str, o: str) -> float:

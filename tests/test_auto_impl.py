@@ -28,14 +28,16 @@ def _inject(step: int, model) -> None:
     if step == 2:
         g[0, 0], g[3, 5] = float("nan"), float("inf")
     if step == 4:
-        g.mul_(1e4)  # a finite spike: the default spike guard (factor 10) triggers on it
+        g.mul_(1e4)  # a finite spike: the spike guard (factor 10, set in _run) triggers on it
     if step == 5:
         model.head.bias.grad[1] = float("-inf")
 
 
 def _run(info, impl: str | None, *, dtype=torch.float32):
     model = make_model(dtype=dtype)
-    kw = {"impl": "auto"} if impl is None else {"impl": impl}
+    # The guard is on by default on the spectral optimizers and opt-in on AdamW/SFAdamW: set it everywhere,
+    # so that every optimizer's native loop runs its pre-pass and the case below exercises it.
+    kw = {"impl": "auto" if impl is None else impl, "spike_factor": 10.0}
     opt = info.make(no.param_groups(model) if info.cls not in (no.AdamW, no.SFAdamW) else model.parameters(),
                     **kw)
     with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):

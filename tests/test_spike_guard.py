@@ -80,3 +80,31 @@ def test_guard_state_survives_state_dict_and_clean_run_is_unchanged():
 def test_bad_spike_factor_is_named():
     with pytest.raises(ValueError, match="spike_factor"):
         no.AdamW(make_model().parameters(), spike_factor=0.5)
+
+
+@pytest.mark.parametrize("cls,default", [(no.AdamW, None), (no.SFAdamW, None), (no.SFNorMuon, 10.0),
+                                         (no.FullFusion, 10.0), (no.Muon, 10.0)])
+def test_guard_default_by_path(cls, default):
+    """On by default where the step computes the norm anyway (the spectral optimizers); opt-in on the
+    AdamW family, where it is an extra read of every gradient (functional/spike.py, RESULTS "overhead")."""
+    assert cls(make_model().named_parameters()).spike_factor == default
+
+
+def test_default_adamw_is_torch_adamw_through_a_finite_spike():
+    """The AdamW default is the drop-in: a finite spike goes through as torch.optim.AdamW takes it, while
+    the opt-in guard (spike_factor=10) rescales it — the check that the default really is unguarded."""
+    def spike(step, model):
+        if step == 6:
+            model.fc1.weight.grad.mul_(1e4)
+
+    models = [make_model() for _ in range(3)]
+    opts = [no.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1),
+            torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1),
+            no.AdamW(models[2].parameters(), lr=1e-2, weight_decay=0.1, spike_factor=10.0)]
+    for m, o in zip(models, opts):
+        train_steps(m, o, 8, inject=spike)
+    ours, ref, guarded = (m.fc1.weight for m in models)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(guarded, ref, rtol=1e-3, atol=1e-4)
+    assert opts[0].metrics()["resolution/events_total"] == 0.0
+    assert opts[2].metrics()["resolution/events_spike"] > 0

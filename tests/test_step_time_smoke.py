@@ -49,8 +49,8 @@ def test_step_time_quick(tmp_path):
 @pytest.mark.slow
 def test_overhead_quick(tmp_path):
     data = _run("overhead", tmp_path)
-    expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=None)",
-                "SFAdamW (foreach)", "SFAdamW (fused)", "SFAdamW (fused, spike_factor=None)", "SFNorMuon (foreach)",
+    expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=10)",
+                "SFAdamW (foreach)", "SFAdamW (fused)", "SFAdamW (fused, spike_factor=10)", "SFNorMuon (foreach)",
                 "SFNorMuon (compiled)", "SFNorMuon (fused)", "FullFusion (foreach)", "FullFusion (fused)",
                 "Muon (foreach)", "Muon (fused)"]
     assert [r["optimizer"] for r in data["rows"]] == expected
@@ -64,7 +64,7 @@ def test_overhead_quick(tmp_path):
     assert [r["entries"] for r in data["size_sweep"]] == [1 << 10, 1 << 12]
     for r in data["size_sweep"]:
         assert all(_finite_positive(r[k])
-                   for k in ("off_ms", "repair_paired_ratio", "repair_no_guard_paired_ratio"))
+                   for k in ("off_ms", "repair_paired_ratio", "repair_guard_paired_ratio"))
     # --render-only puts the same JSON's table into a RESULTS file, naming every arm as met or missed
     md = tmp_path / "RESULTS.md"
     proc = subprocess.run([sys.executable, "-m", "experiments", "overhead", "--render-only", "--out",
@@ -75,6 +75,10 @@ def test_overhead_quick(tmp_path):
     assert "<!-- overhead:begin -->" in section and "Target (CPU)" in section
     assert data["auto_runs"] in ("fused", "foreach") and f'runs the "({data["auto_runs"]})" rows' in section
     assert all(f"| {name} |" in section and f"{name} (" in section.split("Target (CPU)")[1] for name in expected)
+    # the target is judged on each optimizer as constructed by default, whose guard setting is read from the library
+    assert data["default_rows"] == {f"{c} ({data['auto_runs']})": (None if c in ("AdamW", "SFAdamW") else 10.0)
+                                    for c in ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")}
+    assert "**Each optimizer as constructed by default**" in section
 
 
 @pytest.mark.slow

@@ -18,6 +18,12 @@ The default factor, 10, was chosen by ``python -m experiments spikes`` (RESULTS.
 largest factor with zero triggers on clean runs that recovers the most spiked runs (14 of 16 cells there,
 against 7 of 16 unguarded). Its margin is thin — the largest clean norm ratio seen was about 6 — so a
 workload with naturally bursty gradients may want a larger factor or None.
+
+Where it is on by default: the spectral optimizers (SF-NorMuon, FullFusion, Muon — for their scalar
+parameters too), whose step computes the gradient norm anyway. ``AdamW`` and ``SFAdamW`` default to None:
+their step reads g once, and the guard's norm has to be known before anything is written, so it costs one
+more read of every gradient — measured by ``python -m experiments overhead`` far above issue 3's 2% budget
+on a memory-bound CPU step (RESULTS.md, the ``spike_factor=10`` rows); there it is one argument away.
 """
 from __future__ import annotations
 
