@@ -23,6 +23,8 @@ import dataclasses
 
 import torch
 
+from . import native
+
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "finite_mask", "storable_mask",
            "inspect", "tensor_counts", "check_policy"]
 
@@ -198,8 +200,7 @@ class Resolution:
 
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
     def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
-        from . import native as _native
-        return _native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
+        return native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
                                    min_scale=self.min_scale, growth_interval=self.growth_interval,
                                    repeat_window=self.repeat_window, cache=self._native_cache)
 

@@ -15,5 +15,6 @@ def test_native_library_builds_where_a_c_compiler_exists():
     if native._compiler() is None:
         pytest.skip("no C compiler on this machine")
     assert native.library() is not None, native.failure()
-    for name in ("nonans_scalar_step", "nonans_spectral_pre", "nonans_spectral_post", "nonans_record_step"):
+    for name in ("nonans_scalar_step", "nonans_spectral_pre", "nonans_spectral_post", "nonans_record_step",
+                 "nonans_record_step_packed"):
         assert hasattr(native.library(), name)

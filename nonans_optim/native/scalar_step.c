@@ -352,3 +352,14 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
     ring_step[slot] = step;
     *ring_ptr += any;
 }
+
+/* nonans_record_step with its per-optimizer constants packed once into one int64 array — P, K,
+ * growth_interval, repeat_window, then the nine counter pointers in nonans_record_step's order — so that a
+ * step's call converts five arguments instead of seventeen (ctypes spends about as long converting them as
+ * the loop above takes on a 52-parameter model; nonans_optim/native/__init__.py::record_step). */
+void nonans_record_step_packed(const int64_t *pack, float backoff, float min_scale, const int64_t *step_counts,
+                               int64_t step) {
+    int64_t *const *q = (int64_t *const *)(pack + 4);
+    nonans_record_step(pack[0], pack[1], step_counts, step, backoff, min_scale, pack[2], pack[3], q[0], q[1], q[2],
+                       q[3], (uint8_t *)q[4], q[5], (float *)q[6], q[7], q[8]);
+}
