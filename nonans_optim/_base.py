@@ -65,6 +65,9 @@ class NonansOptimizer(Optimizer):
     _uses_polyak: bool = False
     #: implementations this optimizer accepts for ``impl=``.
     _impls: tuple[str, ...] = ("auto", "loop", "foreach", "compiled")
+    # True where one param group is handled by one kernel call, so that call may record the step's counts
+    # (optimizers/_fused.py): the scalar-only optimizers; a Fusion group runs several paths.
+    _counts_from_one_call = False
 
     def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
                  spike_factor: float | None = None):
@@ -261,14 +264,18 @@ class NonansOptimizer(Optimizer):
         ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
                "guard_in_kernel": False,
-               "spike_factor": self.spike_factor if res is not None else None}
+               "spike_factor": self.spike_factor if res is not None else None,
+               # a native kernel may fold the counts itself (one C call, not two) when its group is the
+               # step's only producer of counts; it then sets "recorded"
+               "record_in_kernel": self._counts_from_one_call and len(self.param_groups) == 1,
+               "recorded": False}
         self._pending_loss = None
         ctx["recent"] = None  # Resolution.recent(), computed on first use (_common.recent_flags)
         self._before_groups(ctx)
         for group in self.param_groups:
             self._step_group(group, ctx)
             ctx["index"] += len(group["params"])
-        if res is not None:
+        if res is not None and not ctx["recorded"]:
             res.record_step(st["step"], self._assemble_counts(ctx, res.num_params, res.tensors["scale"].device),
                             native=self.impl in ("fused", "auto"))
         return loss

@@ -198,6 +198,15 @@ class Resolution:
         t["ring_step"].index_copy_(0, slot, torch.full((1,), step, dtype=torch.int64, device=slot.device))
         t["ring_ptr"] += param_event.any().to(torch.int64)
 
+    def native_record_pack(self) -> tuple | None:
+        """(packed arguments, counter tensors) with which a native step folds its own counts into the
+        counters — what :meth:`record_step` does, inside the same C call (optimizers/_fused.py) — or None
+        where the native record does not cover these counters (CUDA, another dtype, no library)."""
+        if not self.tensors["scale"].is_cpu:
+            return None
+        return native.record_pack(self.tensors, growth_interval=self.growth_interval,
+                                  repeat_window=self.repeat_window, cache=self._native_cache)
+
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
     def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
         return native.record_step(self.tensors, step_counts, step, backoff=self.backoff,

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["library", "failure", "record_step", "Int64Array", "SOURCES"]
+__all__ = ["library", "failure", "record_step", "record_pack", "Int64Array", "SOURCES"]
 
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_step.c",
@@ -116,7 +116,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr = pp = ctypes.c_void_p
     i32, i64, f32, f64 = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
     f.argtypes = [i64, pp, pp, pp, pp, pp, pp, ptr, ptr, f64, f64, ptr, i32, i32, i32, f32, f32, f32,
-                  ptr, ptr, ptr, ptr, ptr, i64, ptr, i32]
+                  ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, ptr, f32, f32, i64]
     f.restype = ctypes.c_int
     pre, post = lib.nonans_spectral_pre, lib.nonans_spectral_post
     pre.argtypes = [i64, pp, pp, i32, pp, i32, ptr, ptr, pp, ptr, i32, pp, pp, ptr, i32, i32, f32, f32, f32,
@@ -149,37 +149,45 @@ _RECORD_KEYS = ("counts", "events", "ring_counts", "ring_step", "ring_escalated"
                 "clean_streak", "escalations")
 
 
-def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_scale: float,
-                growth_interval: int, repeat_window: int, cache: dict | None = None) -> bool:
-    """``Resolution.record_step`` in one C loop, in place; False (nothing done) unless the library is
-    available and every tensor is a contiguous CPU tensor of the expected dtype.
+def record_pack(tensors: dict, *, growth_interval: int, repeat_window: int,
+                cache: dict | None = None) -> tuple[Int64Array, tuple] | None:
+    """The counters' packed arguments of ``nonans_record_step_packed`` (P, K, growth_interval,
+    repeat_window, then the nine counter pointers) and the counter tensors they point into; None unless
+    the library is available and every counter is a contiguous CPU tensor of the expected dtype.
 
-    ``cache`` (a dict the caller owns, one per Resolution): the checked counter tensors and, packed into one
-    int64 array with the constants, their data pointers — reused while ``tensors`` still holds the very same
-    tensor objects (the cache keeps them alive, so equal ids are the same objects). The checks and the
-    argument conversion cost more than the C loop itself on a 52-parameter model. The counters are the
-    optimizer's own, replaced (never reshaped in place) by a load or by the torch path, which the identity
-    test sees."""
-    lib = library()
-    if lib is None:
-        return False
+    ``cache`` (a dict the caller owns, one per Resolution): the result, reused while ``tensors`` still holds
+    the very same tensor objects (the cache keeps them alive, so equal ids are the same objects). The checks
+    and the argument conversion cost more than the C loop itself on a 52-parameter model. The counters are
+    the optimizer's own, replaced (never reshaped in place) by a load or by the torch path, which the
+    identity test sees."""
+    if library() is None:
+        return None
     args = tuple(map(tensors.__getitem__, _RECORD_KEYS))
     key = (*map(id, args), growth_interval, repeat_window)
     if cache is not None and cache.get("key") == key:
-        pack = cache["pack"]
-    else:
-        expected = {"scale": torch.float32, "ring_escalated": torch.bool}
-        if not all(t.is_cpu and t.is_contiguous() and t.dtype == expected.get(k, torch.int64)
-                   for k, t in zip(_RECORD_KEYS, args)):
-            return False  # e.g. counters loaded from a checkpoint in another dtype: the torch path handles them
-        P, K = tensors["scale"].shape[0], tensors["ring_step"].shape[0]
-        pack = Int64Array([P, K, growth_interval, repeat_window, *(t.data_ptr() for t in args)])
-        if cache is not None:
-            cache.clear()
-            cache.update(key=key, args=args, pack=pack)
-    if not (step_counts.is_cpu and step_counts.is_contiguous() and step_counts.dtype == torch.int64):
+        return cache["pack"], args
+    expected = {"scale": torch.float32, "ring_escalated": torch.bool}
+    if not all(t.is_cpu and t.is_contiguous() and t.dtype == expected.get(k, torch.int64)
+               for k, t in zip(_RECORD_KEYS, args)):
+        return None  # e.g. counters loaded from a checkpoint in another dtype: the torch path handles them
+    P, K = tensors["scale"].shape[0], tensors["ring_step"].shape[0]
+    pack = Int64Array([P, K, growth_interval, repeat_window, *(t.data_ptr() for t in args)])
+    if cache is not None:
+        cache.clear()
+        cache.update(key=key, args=args, pack=pack)
+    return pack, args
+
+
+def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_scale: float,
+                growth_interval: int, repeat_window: int, cache: dict | None = None) -> bool:
+    """``Resolution.record_step`` in one C loop, in place; False (nothing done) unless :func:`record_pack`
+    covers the counters and ``step_counts`` is a contiguous int64 CPU tensor."""
+    packed = record_pack(tensors, growth_interval=growth_interval, repeat_window=repeat_window, cache=cache)
+    if packed is None or not (step_counts.is_cpu and step_counts.is_contiguous()
+                              and step_counts.dtype == torch.int64):
         return False
-    lib.nonans_record_step_packed(pack, backoff, min_scale, step_counts.data_ptr(), step)
+    pack, args = packed
+    library().nonans_record_step_packed(pack, backoff, min_scale, step_counts.data_ptr(), step)
     torch.autograd.graph.increment_version(args)  # written in place, as torch's own ops would record
     return True
 

@@ -192,6 +192,9 @@ static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double 
     *bad = nbb;
 }
 
+void nonans_record_step_packed(const int64_t *pack, float backoff, float min_scale, const int64_t *step_counts,
+                               int64_t step);
+
 /* One step over n tensors. Returns 0, or 1 when scratch memory could not be allocated (nothing written).
  *
  * step: the n fp32 state['step'] scalars, advanced here, and the bias corrections 1-β₁ᵗ, 1-β₂ᵗ computed
@@ -199,15 +202,29 @@ static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double 
  * hyperparameters of hyper_t; gamma: the 0-d step size (lr · warmup · Polyak). Resolution tensors, all
  * indexed by sel (the global parameter index) and NULL under "off": scale (escalation multiplier of the
  * step size), clean_streak and events (the hold rule's "recent event", Resolution.recent), ema (spike
- * guard; factor <= 0: no guard) and the (P, S, 2) count block dense. */
+ * guard; factor <= 0: no guard) and the (P, S, 2) count block dense.
+ *
+ * rec (NULL: not this call's job): the packed counters of nonans_record_step_packed, when this call is the
+ * step's only producer of counts (one (SF-)AdamW group, nothing recorded eagerly); dense must then be NULL:
+ * the counts go to a zeroed scratch block and are folded into the counters at the end of this same call, as
+ * record_step (rec_step: the optimizer's step number) would fold them afterwards — one C call per step,
+ * not two, and no (P, S, 2) torch tensor to allocate (the Python glue of these is a visible part of a
+ * memory-bound step's repair cost: RESULTS.md, "overhead"). */
 int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, float **z, float **step,
                        const int64_t *numel, const float *gamma, double beta1, double beta2, const float *hp,
                        int policy, int sf, int decay_z, float factor, float beta, float one_m_beta, float *ema,
                        const int64_t *sel, const float *scale, const int64_t *clean_streak,
-                       const int64_t *events, int64_t repeat_window, int64_t *dense, int nthreads) {
+                       const int64_t *events, int64_t repeat_window, int64_t *dense, int nthreads,
+                       const int64_t *rec, float backoff, float min_scale, int64_t rec_step) {
     const int T = nthreads > 0 ? nthreads : 1;
     const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
     const hyper_t h = {hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]};
+    int64_t *own = NULL; /* the scratch count block when this call also records (rec) */
+    if (gate && rec != NULL) {
+        own = calloc((size_t)(rec[0] * NSTAGE * 2 + 1), sizeof(int64_t));
+        if (!own) return 1;
+        dense = own;
+    }
     int64_t chunks = 0;
     for (int64_t i = 0; i < n; i++) chunks += (numel[i] + BLOCK - 1) / BLOCK;
     int64_t *cnt = calloc((size_t)(n * T * NCOUNT + chunks + n + 1), sizeof(int64_t));
@@ -215,7 +232,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
     float *new_ema = calloc((size_t)(n + 1), sizeof(float));
     int *trig = calloc((size_t)(n + 1), sizeof(int));
     if (!cnt || !ss || !new_ema || !trig) {
-        free(cnt); free(ss); free(new_ema); free(trig);
+        free(cnt); free(ss); free(new_ema); free(trig); free(own);
         return 1;
     }
     int64_t *bad1 = cnt + n * T * NCOUNT, *chunk_off = bad1 + chunks;
@@ -225,7 +242,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
     float *lr = calloc((size_t)(3 * n + 1), sizeof(float));
     uint8_t *recent = calloc((size_t)(n + 1), 1);
     if (!lr || !recent) {
-        free(cnt); free(ss); free(new_ema); free(trig); free(lr); free(recent);
+        free(cnt); free(ss); free(new_ema); free(trig); free(lr); free(recent); free(own);
         return 1;
     }
     float *bc = lr + n;
@@ -302,7 +319,8 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
             }
         }
     }
-    free(cnt); free(ss); free(new_ema); free(trig); free(lr); free(recent);
+    if (own != NULL) nonans_record_step_packed(rec, backoff, min_scale, own, rec_step);
+    free(cnt); free(ss); free(new_ema); free(trig); free(lr); free(recent); free(own);
     return 0;
 }
 

@@ -55,7 +55,8 @@ def resolution_written(ctx: dict[str, Any]) -> list[torch.Tensor]:
     """The Resolution tensors the fused kernels update in place (none under "off")."""
     if ctx["resolution"] is None:
         return []
-    return [ctx["resolution"].tensors["grad_norm_ema"], ctx["dense"]]
+    ema = ctx["resolution"].tensors["grad_norm_ema"]
+    return [ema] if ctx["dense"] is None else [ema, ctx["dense"]]
 
 
 def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:

@@ -44,17 +44,27 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) ->
     return Int64Array(ptrs) if len(ptrs) == len(tensors) else None
 
 
-def resolution_pointers(ctx: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+def resolution_pointers(ctx: dict[str, Any], indices: list[int], *, dense: bool = True) -> dict[str, Any]:
     """The Resolution tensors the C loops read and update (CPU: the optimizer checked the device), as
-    data pointers; None and zeros under "off"."""
+    data pointers; None and zeros under "off". ``dense=False``: no count block (the kernel records itself)."""
     res = ctx["resolution"]
     if res is None:
         return dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0)
     t = res.tensors
     return dict(ema=t["grad_norm_ema"].data_ptr(), sel=ctx["device_indices"](indices, t["scale"].device).data_ptr(),
                 scale=t["scale"].data_ptr(), streak=t["clean_streak"].data_ptr(), events=t["events"].data_ptr(),
-                dense=dense_counts(ctx, t["scale"].device).data_ptr(), window=res.repeat_window,
-                factor=ctx["spike_factor"] or 0.0)
+                dense=dense_counts(ctx, t["scale"].device).data_ptr() if dense else None,
+                window=res.repeat_window, factor=ctx["spike_factor"] or 0.0)
+
+
+def _record_here(ctx: dict[str, Any]) -> tuple | None:
+    """The packed counters when this native call may fold the step's counts itself (see
+    ``nonans_scalar_step``'s ``rec``): the optimizer said this group is the step's only producer of counts
+    (``ctx["record_in_kernel"]``), nothing has been recorded yet, and the native record covers the counters."""
+    res = ctx["resolution"]
+    if res is None or not ctx.get("record_in_kernel") or ctx["counts"] or ctx["dense"] is not None:
+        return None
+    return res.native_record_pack()
 
 
 def auto_choice(device: torch.device | str) -> str:
@@ -108,13 +118,18 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     # fp32 exactly as the other implementations round them: host doubles, rounded once.
     hp = (ctypes.c_float * 7)(1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef)
     numel = Int64Array([p.numel() for p in params])
-    r = resolution_pointers(ctx, indices)
+    rec = _record_here(ctx)
+    r = resolution_pointers(ctx, indices, dense=rec is None)
+    res = ctx["resolution"]
     rc = lib.nonans_scalar_step(
         len(params), p_ptr, g_ptr, nulls if sf else second, v_ptr, second if sf else nulls, step_ptr,
         numel, gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
         int(sf), int(sf and group["weight_decay"] != 0), r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"],
-        r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads())
+        r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads(),
+        None if rec is None else rec[0], res.backoff if rec else 0.0, res.min_scale if rec else 0.0, ctx["step"])
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")
-    mark_written(params, seconds, vs, steps, resolution_written(ctx))
+    mark_written(params, seconds, vs, steps, resolution_written(ctx), list(rec[1]) if rec else [])
+    if rec is not None:
+        ctx["recorded"] = True  # the base's record_step must not fold this step a second time
     return True

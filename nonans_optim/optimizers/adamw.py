@@ -20,6 +20,7 @@ __all__ = ["AdamW", "SFAdamW"]
 class _ScalarOnly(NonansOptimizer):
     _sf = False
     _impls = ("auto", "loop", "foreach", "compiled", "fused")
+    _counts_from_one_call = True  # one group, one scalar_update call
 
     def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
         return frozenset(scalar_init_state(p, sf=self._sf))
