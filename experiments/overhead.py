@@ -35,6 +35,8 @@ import torch
 import nonans_optim as no
 from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
+from experiments.overhead_controls import controls
+from experiments.overhead_controls import render as render_controls
 from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
 
@@ -186,6 +188,8 @@ def run(args) -> dict[str, Any]:
                   for p in POLICIES}
     train_times, train_inner = _interleave_pairs(train_arms, args, device)
     sweep = _size_sweep(args, device)
+    ctrl = controls(base, grads, OPTIMIZERS, args, device,
+                    lambda step: _inner(args, _timed(step, device))) if device.type == "cpu" else []
     machine["loadavg_end"] = list(os.getloadavg())
     rows = []
     for name in OPTIMIZERS:
@@ -207,6 +211,7 @@ def run(args) -> dict[str, Any]:
             "auto_runs": auto_choice(device),  # which rows the default, impl="auto", runs here
             "default_rows": default_rows(auto_choice(device)),
             "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
+            "controls": ctrl,
             "raw_ms": {"step": {k: [1e3 * x for x in v] for k, v in step_times.items()},
                        "train_step": {k: [1e3 * x for x in v] for k, v in train_times.items()}}}
 
@@ -300,6 +305,8 @@ def render(data: dict[str, Any]) -> str:
         for r in data["size_sweep"]:
             lines.append(f"| {r['entries']:,} | {r['state_mib']:.1f} | {r['off_ms']:.3f} | "
                          f"{r['repair_paired_ratio']:.3f} | {r['repair_guard_paired_ratio']:.3f} |")
+    if data.get("controls"):
+        lines += render_controls(data["controls"], data["targets"]["cpu_step_ratio_max"], 2 * s["rounds"])
     return "\n".join(lines)
 
 

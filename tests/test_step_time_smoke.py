@@ -79,6 +79,13 @@ def test_overhead_quick(tmp_path):
     assert data["default_rows"] == {f"{c} ({data['auto_runs']})": (None if c in ("AdamW", "SFAdamW") else 10.0)
                                     for c in ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")}
     assert "**Each optimizer as constructed by default**" in section
+    # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
+    assert [c["optimizer"] for c in data["controls"]] == ["AdamW (fused)", "SFAdamW (fused)"]
+    for c in data["controls"]:
+        assert all(_finite_positive(c[k][q]) for k in ("aa", "same_tensors") for q in ("median", "q1", "q3"))
+        assert c["aa"]["q1"] <= c["aa"]["median"] <= c["aa"]["q3"]
+        assert {len(v) for v in c["raw_ms"].values()} == {4}  # 2 x rounds, every arm
+    assert "A/A: off / off, separately built" in section and "Same-tensor check of the target" in section
 
 
 @pytest.mark.slow
