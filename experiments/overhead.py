@@ -35,7 +35,7 @@ import torch
 import nonans_optim as no
 from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
-from experiments.overhead_controls import controls
+from experiments.overhead_controls import build_optimizer, controls, spread
 from experiments.overhead_controls import render as render_controls
 from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
@@ -67,11 +67,7 @@ POLICIES = ("repair", "off")
 
 
 def _step_arm(base: torch.nn.Module, grads: list[torch.Tensor], make, policy: str) -> Callable[[], None]:
-    model = copy.deepcopy(base)
-    for p, g in zip(model.parameters(), grads):
-        p.grad = g.clone()
-    opt = make(model, policy)
-    return opt.step
+    return build_optimizer(base, grads, make, policy).step
 
 
 def _train_arm(base: torch.nn.Module, batch, make, policy: str) -> Callable[[], None]:
@@ -231,11 +227,8 @@ def default_rows(auto_runs: str) -> dict[str, float | None]:
 def _paired_quartiles(data: dict[str, Any], name: str) -> tuple[float, float]:
     """First and third quartile of the per-round repair/off step ratios, from the raw timings."""
     raw = data["raw_ms"]["step"]
-    ratios = sorted(r / o for r, o in zip(raw[f"{name} | repair"], raw[f"{name} | off"]))
-    if len(ratios) < 2:
-        return ratios[0], ratios[0]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return q1, q3
+    s = spread(raw[f"{name} | repair"], raw[f"{name} | off"])
+    return s["q1"], s["q3"]
 
 
 def render(data: dict[str, Any]) -> str:

@@ -27,21 +27,23 @@ import torch
 
 from experiments.step_time import interleaved
 
-__all__ = ["CONTROLLED", "controls", "spread", "render"]
+__all__ = ["CONTROLLED", "build_optimizer", "controls", "spread", "render"]
 
 CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)")
 
 
 def spread(num: list[float], den: list[float]) -> dict[str, float]:
-    """Median and quartiles of the per-round ratios num/den."""
+    """Median and quartiles of the per-round ratios num/den (the overhead table's spread column too)."""
     ratios = sorted(a / b for a, b in zip(num, den))
     if len(ratios) < 2:
         return {"median": ratios[0], "q1": ratios[0], "q3": ratios[0]}
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
-def _optimizer(base: torch.nn.Module, grads: list[torch.Tensor], make, policy: str) -> torch.optim.Optimizer:
+def build_optimizer(base: torch.nn.Module, grads: list[torch.Tensor], make, policy: str) -> torch.optim.Optimizer:
+    """``make(model, policy)`` on a fresh copy of ``base`` whose gradients are clones of ``grads`` (every
+    timed optimizer-step arm of the overhead experiment is built this way)."""
     model = copy.deepcopy(base)
     for p, g in zip(model.parameters(), grads):
         p.grad = g.clone()
@@ -62,8 +64,8 @@ def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[
     rows = []
     for name in CONTROLLED:
         make = optimizers[name]
-        first, second = (_optimizer(base, grads, make, "off").step for _ in range(2))
-        one = _optimizer(base, grads, make, "repair")
+        first, second = (build_optimizer(base, grads, make, "off").step for _ in range(2))
+        one = build_optimizer(base, grads, make, "repair")
         arms = {"aa_first": first, "aa_second": second,
                 "same_repair": _switched(one, "repair"), "same_off": _switched(one, "off")}
         for arm in arms.values():
@@ -88,8 +90,8 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
     lines = ["", "**Controls: can this machine resolve 2%?** (`experiments/overhead_controls.py`) A/A: the "
              "row built twice with `resolution=\"off\"`, paired exactly as the table pairs repair with off — "
              "identical code, so its distance from 1.000 is the method's error on this machine (our reading, "
-             "not measured: the separately built arms' memory placement). Same tensors: one optimizer whose policy is switched between \"repair\" "
-             "and \"off\" between samples, so both arms step the very same tensors. Paired median (quartiles) "
+             "not measured: the separately built arms' memory placement). Same tensors: one optimizer whose "
+             "policy is switched between \"repair\" and \"off\" between samples, so both arms step the very same tensors. Paired median (quartiles) "
              f"over {rounds} rounds.", "",
              "| row | A/A: off / off, separately built | repair / off, same tensors |", "|---|---|---|"]
     lines += [f"| {r['optimizer']} | {fmt(r['aa'])} | {fmt(r['same_tensors'])} |" for r in rows]
