@@ -149,13 +149,17 @@ def render_open_questions(out: Path = OUT) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def polyak_section(pol: dict[str, Any]) -> str:
+    """RESULTS.md's Polyak section from q5's JSON (q5 is the Polyak instrumentation)."""
+    return ("Command: `python -m experiments questions polyak` (JSON `results/questions/q5.json`, plot "
+            "`results/questions/q5.png`).\n\n" + render_polyak(pol) + "\n\n" + V.v_q5(pol))
+
+
 def write_markdown(out: Path = OUT) -> None:
     (ROOT / "OPEN_QUESTIONS.md").write_text(render_open_questions(out))
     pol = read_json(out / "q5.json")
     if pol is not None:
-        body = ("Command: `python -m experiments questions polyak` (JSON `results/questions/q5.json`, plot "
-                "`results/questions/q5.png`).\n\n" + render_polyak(pol) + "\n\n" + V.v_q5(pol))
-        replace_section(ROOT / "RESULTS.md", "polyak", body, title="Polyak instrumentation (issue 6)")
+        replace_section(ROOT / "RESULTS.md", "polyak", polyak_section(pol), title="Polyak instrumentation (issue 6)")
 
 
 def main(argv: list[str] | None = None) -> int:

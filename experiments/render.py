@@ -1,0 +1,119 @@
+"""``python -m experiments render [--check]`` — every RESULTS.md section and OPEN_QUESTIONS.md from the JSON
+under ``results/``, without running anything.
+
+The project's rule is that every published number goes command → JSON → render function → markdown. Each
+experiment already re-renders its own section after a run; this command does all of them at once, from the
+stored JSON, with the same render functions. ``--check`` writes nothing and exits 1 naming each section
+whose text differs from what its JSON renders to — a number typed or edited by hand, or a render function
+changed without re-rendering — which is how the test suite holds the published files to that rule
+(tests/test_render.py).
+
+A section whose JSON is missing is left as it is and listed (an experiment not run on this checkout), and so
+is a JSON whose section was never published (the experiment's own run creates the section and its heading);
+the kernels section is rendered only from a real GPU run, never from a dry run.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from experiments.questions_io import ROOT, read_json, replace_section
+
+__all__ = ["SECTIONS", "render_all", "main"]
+
+# RESULTS.md section → (its JSON under results/, the "module:function" that renders it). The overhead JSON of
+# a GPU run renders into its own section (experiments/overhead.py::_publish). A section is created, with its
+# heading, by the experiment's own first run; this command only re-renders sections already published.
+SECTIONS: dict[str, tuple[str, str]] = {
+    "ablation": ("ablation.json", "experiments.ablation:render"),
+    "bench": ("bench.json", "experiments.bench.report:render_markdown"),
+    "step-time": ("step_time.json", "experiments.step_time:render"),
+    "overhead": ("overhead.json", "experiments.overhead:render"),
+    "overhead-gpu": ("overhead_cuda.json", "experiments.overhead:render"),
+    "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
+    "spikes": ("spikes.json", "experiments.spikes:render"),
+    "momentum-dtype": ("momentum_dtype.json", "experiments.momentum_dtype:render"),
+    "ns5-method": ("ns5_method.json", "experiments.ns5_method:render"),
+    "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
+    "kernels": ("kernels.json", "experiments.kernels:render"),
+    "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),
+}
+
+
+def _function(spec: str) -> Callable[[dict[str, Any]], str]:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _renderable(section: str, data: dict[str, Any] | None) -> bool:
+    if data is None:
+        return False
+    if section == "kernels":
+        return not data.get("dry_run", True)  # a dry run's timings mean nothing
+    if section in ("overhead", "overhead-gpu"):
+        return (data.get("device", "cpu") != "cpu") == (section == "overhead-gpu")
+    return True
+
+
+def render_all(results_md: Path, open_questions_md: Path, results_dir: Path) -> tuple[list[str], list[str]]:
+    """Rewrite each published section of ``results_md``, and ``open_questions_md`` whole, from the JSON in
+    ``results_dir``. Returns (sections rendered, sections left as they are: no JSON, or not published)."""
+    done, left = [], []
+    text = results_md.read_text() if results_md.exists() else ""
+    for section, (name, spec) in SECTIONS.items():
+        data = read_json(results_dir / name)
+        if not _renderable(section, data) or f"<!-- {section}:begin -->" not in text:
+            left.append(section)
+            continue
+        replace_section(results_md, section, _function(spec)(data))
+        done.append(section)
+    from experiments.questions import render_open_questions
+    open_questions_md.write_text(render_open_questions(results_dir / "questions"))
+    return done, left
+
+
+def _stale(published: Path, rendered: Path) -> list[str]:
+    old, new = published.read_text(), rendered.read_text()
+    if old == new:
+        return []
+    return list(difflib.unified_diff(old.splitlines(), new.splitlines(), str(published), "rendered", lineterm="",
+                                     n=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments render", description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if a published section differs from its JSON's rendering")
+    ap.add_argument("--results-md", type=Path, default=ROOT / "RESULTS.md")
+    ap.add_argument("--open-questions-md", type=Path, default=ROOT / "OPEN_QUESTIONS.md")
+    ap.add_argument("--results-dir", type=Path, default=ROOT / "results")
+    args = ap.parse_args(argv)
+    targets = {"results": args.results_md, "questions": args.open_questions_md}
+    with tempfile.TemporaryDirectory() as tmp:
+        copies = {k: Path(tmp) / p.name for k, p in targets.items()}
+        for k, p in targets.items():
+            if p.exists():
+                shutil.copyfile(p, copies[k])
+        done, missing = render_all(copies["results"], copies["questions"], args.results_dir)
+        diffs = {k: _stale(targets[k], copies[k]) if targets[k].exists() else ["(file missing)"] for k in targets}
+        if not args.check:
+            for k in targets:
+                shutil.copyfile(copies[k], targets[k])
+    print(f"rendered from {args.results_dir}: {', '.join(done) or 'nothing'}"
+          + (f"; left as they are (no JSON or not published): {', '.join(missing)}" if missing else ""))
+    if not args.check:
+        return 0
+    stale = {k: d for k, d in diffs.items() if d}
+    for k, d in stale.items():
+        print(f"\n{targets[k]} differs from what its JSON renders to:\n" + "\n".join(d[:80]), file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The published files are what their JSON renders to (``python -m experiments render --check``), and every
+command the experiments CLI lists can be imported (a registered command without its module used to fail
+only when someone typed it)."""
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from experiments.__main__ import COMMANDS
+from experiments.render import SECTIONS, main as render_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_a_module_with_main(name):
+    module = importlib.import_module(COMMANDS[name][0])
+    assert callable(getattr(module, "main", None)), f"{COMMANDS[name][0]} has no main()"
+
+
+def test_every_section_renderer_exists():
+    for section, (_, spec) in SECTIONS.items():
+        module, fn = spec.split(":")
+        assert callable(getattr(importlib.import_module(module), fn, None)), f"{section}: {spec} is missing"
+
+
+def test_published_results_match_their_json(capsys):
+    """RESULTS.md and OPEN_QUESTIONS.md, as committed, are byte for byte what results/*.json render to."""
+    rc = render_main(["--check"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-4000:]
+    assert "ablation" in out.out and "overhead" in out.out  # it did render the CPU sections
+
+
+def _copies(tmp_path: Path) -> tuple[Path, Path]:
+    res, oq = tmp_path / "RESULTS.md", tmp_path / "OPEN_QUESTIONS.md"
+    shutil.copyfile(ROOT / "RESULTS.md", res)
+    shutil.copyfile(ROOT / "OPEN_QUESTIONS.md", oq)
+    return res, oq
+
+
+def test_check_catches_a_number_edited_by_hand(tmp_path, capsys):
+    res, oq = _copies(tmp_path)
+    text = res.read_text()
+    begin = text.index("<!-- overhead:begin -->")
+    row = text.index("| AdamW (fused) |", begin)
+    edited = text[:row] + text[row:].replace("| AdamW (fused) |", "| AdamW (fused) | 9.99 |", 1)
+    res.write_text(edited)
+    args = ["--results-md", str(res), "--open-questions-md", str(oq)]
+    assert render_main(["--check", *args]) == 1
+    assert "9.99" in capsys.readouterr().err
+    assert res.read_text() == edited  # --check writes nothing
+    assert render_main(args) == 0  # a render puts the JSON's numbers back
+    assert res.read_text() == (ROOT / "RESULTS.md").read_text()
+
+
+def test_sections_without_json_are_left_alone(tmp_path, capsys):
+    res, oq = _copies(tmp_path)
+    empty = tmp_path / "results"
+    empty.mkdir()
+    assert render_main(["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]) == 0
+    assert res.read_text() == (ROOT / "RESULTS.md").read_text()
+    assert "Not run yet" in oq.read_text()  # the open questions say so rather than keep stale text
+    assert "left as they are" in capsys.readouterr().out
