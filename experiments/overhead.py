@@ -35,7 +35,7 @@ import torch
 import nonans_optim as no
 from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
-from experiments.overhead_controls import build_optimizer, controls, spread
+from experiments.overhead_controls import build_optimizer, controls, spread, switched
 from experiments.overhead_controls import render as render_controls
 from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
@@ -134,7 +134,7 @@ def _interleave_pairs(arms: dict[str, Callable], args, device) -> tuple[dict[str
     return out, inner
 
 
-SWEEP_ARMS = ("AdamW (fused)", "AdamW (fused, spike_factor=10)")
+SWEEP_OPTIMIZER, SWEEP_GUARD = "AdamW (fused)", 10.0
 SWEEP_SIZES, QUICK_SWEEP_SIZES = (1 << 16, 1 << 20, 1 << 24), (1 << 10, 1 << 12)
 # bytes per entry an fp32 AdamW step must move: read p, g, m, v and write p, m, v; the guard's pre-pass
 # reads g once more, which is free only while the tensor's g is still in a cache when the update re-reads it
@@ -143,25 +143,29 @@ STEP_BYTES, GUARD_BYTES = 28, 32
 
 def _size_sweep(args, device) -> list[dict[str, Any]]:
     """What the spike guard and the rest of "repair" cost as a function of tensor size, on one tensor:
-    "off", "repair" with and without the guard, interleaved, each sample about ``args.sample_ms`` long."""
+    "off", "repair" with and without the guard, and "off" once more (the A/A), interleaved, each sample about
+    ``args.sample_ms`` long. All four arms are one optimizer whose policy and guard are switched between
+    samples, so they step the very same tensors: arms built separately also differ in memory placement,
+    which the A/A control (overhead_controls.py) showed moving a paired ratio by several percent on its own
+    — more than the effect this sweep is after on a cache-resident tensor."""
     rows = []
     for n in (QUICK_SWEEP_SIZES if args.quick else SWEEP_SIZES):
         torch.manual_seed(0)
         base = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n, device=device))])
         grads = [torch.randn(n, device=device) * 1e-2]
-        arms = {"off": _step_arm(base, grads, OPTIMIZERS["AdamW (fused)"], "off"),
-                "repair": _step_arm(base, grads, OPTIMIZERS["AdamW (fused)"], "repair"),
-                "repair_guard": _step_arm(base, grads, OPTIMIZERS[SWEEP_ARMS[1]], "repair")}
+        opt = build_optimizer(base, grads, OPTIMIZERS[SWEEP_OPTIMIZER], "repair")
+        arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair"),
+                "repair_guard": switched(opt, "repair", SWEEP_GUARD), "aa": switched(opt, "off")}
         for _ in range(args.warmup):
             arms["off"]()
         inner = _inner(args, _timed(arms["off"], device))
         times = interleaved(arms, rounds=2 * args.rounds, warmup=args.warmup, inner=inner, device=device)
         off = times["off"]
         rows.append({"entries": n, "state_mib": 4 * n * 4 / 2 ** 20, "off_ms": 1e3 * statistics.median(off),
-                     "inner": inner,
+                     "inner": inner, "design": "same tensors",
                      **{f"{k}_paired_ratio": statistics.median(a / b for a, b in zip(times[k], off))
-                        for k in ("repair", "repair_guard")}})
-        del arms
+                        for k in ("repair", "repair_guard", "aa")}})
+        del arms, opt
     return rows
 
 
@@ -289,14 +293,19 @@ def render(data: dict[str, Any]) -> str:
                      "`spike_factor=10` rows of the AdamW family price the opt-in guard's extra read of g.")
     if data.get("size_sweep"):
         b = data["bytes_per_entry"]
+        same = data["size_sweep"][0].get("design") == "same tensors"
+        how = (" One optimizer whose policy and guard are switched between samples, so every arm steps the "
+               "same tensors; off / off is that design's A/A (its distance from 1.000 is the noise)." if same else
+               " Each arm is a separately built optimizer.")
         lines += ["", "**AdamW (fused) by tensor size** — one fp32 tensor, clean steps, paired ratios against "
-                  f"\"off\". The step must move {b['step']} bytes per entry; the opt-in spike guard's pre-pass "
-                  f"reads g once more ({b['with_guard']} bytes, ×{b['with_guard'] / b['step']:.3f}), which costs "
-                  "nothing only while g is still cached when the update re-reads it.", "",
-                  "| entries | p, g, m, v MiB | off ms | repair (default) / off | repair, spike_factor=10 / off |",
-                  "|---|---|---|---|---|"]
+                  f"\"off\".{how} The step must move {b['step']} bytes per entry; the opt-in spike guard's "
+                  f"pre-pass reads g once more ({b['with_guard']} bytes, ×{b['with_guard'] / b['step']:.3f}), "
+                  "which costs nothing only while g is still cached when the update re-reads it.", "",
+                  "| entries | p, g, m, v MiB | off ms | off / off (A/A) | repair (default) / off | "
+                  "repair, spike_factor=10 / off |", "|---|---|---|---|---|---|"]
         for r in data["size_sweep"]:
-            lines.append(f"| {r['entries']:,} | {r['state_mib']:.1f} | {r['off_ms']:.3f} | "
+            aa = f"{r['aa_paired_ratio']:.3f}" if "aa_paired_ratio" in r else "—"
+            lines.append(f"| {r['entries']:,} | {r['state_mib']:.1f} | {r['off_ms']:.3f} | {aa} | "
                          f"{r['repair_paired_ratio']:.3f} | {r['repair_guard_paired_ratio']:.3f} |")
     if data.get("controls"):
         lines += render_controls(data["controls"], data["targets"]["cpu_step_ratio_max"], 2 * s["rounds"])

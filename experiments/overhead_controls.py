@@ -27,7 +27,7 @@ import torch
 
 from experiments.step_time import interleaved
 
-__all__ = ["CONTROLLED", "build_optimizer", "controls", "spread", "render"]
+__all__ = ["CONTROLLED", "build_optimizer", "controls", "spread", "switched", "render"]
 
 CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)")
 
@@ -50,9 +50,11 @@ def build_optimizer(base: torch.nn.Module, grads: list[torch.Tensor], make, poli
     return make(model, policy)
 
 
-def _switched(opt: torch.optim.Optimizer, policy: str) -> Callable[[], None]:
+def switched(opt: torch.optim.Optimizer, policy: str, spike_factor: float | None = None) -> Callable[[], None]:
+    """A step of ``opt`` under ``policy`` and ``spike_factor``, both set just before it: several such arms
+    of one optimizer step the very same tensors (both attributes are read at every ``step()``)."""
     def step() -> None:
-        opt.resolution_policy = policy
+        opt.resolution_policy, opt.spike_factor = policy, spike_factor
         opt.step()
     return step
 
@@ -67,7 +69,8 @@ def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[
         first, second = (build_optimizer(base, grads, make, "off").step for _ in range(2))
         one = build_optimizer(base, grads, make, "repair")
         arms = {"aa_first": first, "aa_second": second,
-                "same_repair": _switched(one, "repair"), "same_off": _switched(one, "off")}
+                "same_repair": switched(one, "repair", one.spike_factor),
+                "same_off": switched(one, "off", one.spike_factor)}
         for arm in arms.values():
             for _ in range(args.warmup):
                 arm()

@@ -64,7 +64,8 @@ def test_overhead_quick(tmp_path):
     assert [r["entries"] for r in data["size_sweep"]] == [1 << 10, 1 << 12]
     for r in data["size_sweep"]:
         assert all(_finite_positive(r[k])
-                   for k in ("off_ms", "repair_paired_ratio", "repair_guard_paired_ratio"))
+                   for k in ("off_ms", "repair_paired_ratio", "repair_guard_paired_ratio", "aa_paired_ratio"))
+        assert r["design"] == "same tensors"
     # --render-only puts the same JSON's table into a RESULTS file, naming every arm as met or missed
     md = tmp_path / "RESULTS.md"
     proc = subprocess.run([sys.executable, "-m", "experiments", "overhead", "--render-only", "--out",
@@ -86,6 +87,31 @@ def test_overhead_quick(tmp_path):
         assert c["aa"]["q1"] <= c["aa"]["median"] <= c["aa"]["q3"]
         assert {len(v) for v in c["raw_ms"].values()} == {4}  # 2 x rounds, every arm
     assert "A/A: off / off, separately built" in section and "Same-tensor check of the target" in section
+    assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
+
+
+def test_switched_arms_step_one_optimizer_under_their_own_settings():
+    """The sweep's and the controls' same-tensor arms: each sets its policy and guard, then steps the one
+    optimizer they share (a guarded arm rescales a spike that an unguarded one leaves alone)."""
+    import torch
+
+    import nonans_optim as no
+    from experiments.overhead_controls import switched
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = no.AdamW([p], lr=1e-2, impl="fused")
+    arms = {"off": switched(opt, "off"), "guard": switched(opt, "repair", 10.0), "repair": switched(opt, "repair")}
+    for _ in range(5):  # the guard's running norm needs a history
+        p.grad = torch.full((4,), 0.1)
+        arms["guard"]()
+    p.grad = torch.full((4,), 1e4)
+    arms["guard"]()
+    assert (opt.resolution_policy, opt.spike_factor) == ("repair", 10.0)
+    assert [e.stage for e in opt.events] == ["spike"]
+    arms["repair"]()
+    assert opt.spike_factor is None and [e.stage for e in opt.events] == ["spike"]  # unguarded: no new event
+    arms["off"]()
+    assert opt.resolution_policy == "off" and opt.state[p]["step"].item() == 8  # all arms stepped one state
 
 
 @pytest.mark.slow
