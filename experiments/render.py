@@ -62,8 +62,9 @@ def _renderable(section: str, data: dict[str, Any] | None) -> bool:
 
 
 def render_all(results_md: Path, open_questions_md: Path, results_dir: Path) -> tuple[list[str], list[str]]:
-    """Rewrite each published section of ``results_md``, and ``open_questions_md`` whole, from the JSON in
-    ``results_dir``. Returns (sections rendered, sections left as they are: no JSON, or not published)."""
+    """Rewrite each published section of ``results_md``, and ``open_questions_md`` whole (when the questions
+    have a folder of JSON), from ``results_dir``. Returns (what was rendered, what was left as it is: no
+    JSON, or a section never published)."""
     done, left = [], []
     text = results_md.read_text() if results_md.exists() else ""
     for section, (name, spec) in SECTIONS.items():
@@ -73,8 +74,12 @@ def render_all(results_md: Path, open_questions_md: Path, results_dir: Path) -> 
             continue
         replace_section(results_md, section, _function(spec)(data))
         done.append(section)
-    from experiments.questions import render_open_questions
-    open_questions_md.write_text(render_open_questions(results_dir / "questions"))
+    if (results_dir / "questions").is_dir():
+        from experiments.questions import render_open_questions
+        open_questions_md.write_text(render_open_questions(results_dir / "questions"))
+        done.append(open_questions_md.name)
+    else:
+        left.append(open_questions_md.name)
     return done, left
 
 
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     targets = {"results": args.results_md, "questions": args.open_questions_md}
     with tempfile.TemporaryDirectory() as tmp:
-        copies = {k: Path(tmp) / p.name for k, p in targets.items()}
+        copies = {k: Path(tmp) / f"{k}.md" for k in targets}
         for k, p in targets.items():
             if p.exists():
                 shutil.copyfile(p, copies[k])

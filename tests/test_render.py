@@ -63,5 +63,8 @@ def test_sections_without_json_are_left_alone(tmp_path, capsys):
     empty.mkdir()
     assert render_main(["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]) == 0
     assert res.read_text() == (ROOT / "RESULTS.md").read_text()
-    assert "Not run yet" in oq.read_text()  # the open questions say so rather than keep stale text
+    assert oq.read_text() == (ROOT / "OPEN_QUESTIONS.md").read_text()
     assert "left as they are" in capsys.readouterr().out
+    (empty / "questions").mkdir()  # a questions folder without a question's JSON: that one is "not run yet"
+    assert render_main(["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]) == 0
+    assert "**Not run yet.**" in oq.read_text()
