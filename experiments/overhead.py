@@ -35,7 +35,7 @@ import torch
 import nonans_optim as no
 from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
-from experiments.overhead_controls import build_optimizer, controls, spread, switched
+from experiments.overhead_controls import BUILDS, QUICK_BUILDS, build_optimizer, controls, spread, switched
 from experiments.overhead_controls import render as render_controls
 from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
@@ -188,8 +188,8 @@ def run(args) -> dict[str, Any]:
                   for p in POLICIES}
     train_times, train_inner = _interleave_pairs(train_arms, args, device)
     sweep = _size_sweep(args, device)
-    ctrl = controls(base, grads, OPTIMIZERS, args, device,
-                    lambda step: _inner(args, _timed(step, device))) if device.type == "cpu" else []
+    ctrl = controls(base, grads, OPTIMIZERS, args, device, lambda step: _inner(args, _timed(step, device)),
+                    builds=QUICK_BUILDS if args.quick else BUILDS) if device.type == "cpu" else []
     machine["loadavg_end"] = list(os.getloadavg())
     rows = []
     for name in OPTIMIZERS:

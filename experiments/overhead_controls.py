@@ -12,8 +12,13 @@ Issue 3's CPU target is 2%, so the size of that effect decides whether a row's v
   resolution of the table's method on this machine.
 * **same tensors** — one optimizer, built with ``resolution="repair"``, whose policy is switched to "off"
   and back between samples (``resolution_policy`` is read at every ``step()``; the Resolution state is
-  kept and "off" does not touch it). Both arms step the very same tensors, so placement cannot differ and
-  the ratio is the code path's cost alone.
+  kept and "off" does not touch it). Both arms step the very same tensors, so placement cannot differ
+  between them — but a placement can still favour one code path over the other (the gated loop and the
+  stock one stream the same arrays with different instruction mixes), so one build's ratio is the code
+  path's cost *at that placement*.
+* **over builds** — both controls run on :data:`BUILDS` independent builds, all alive at once, so each has
+  its own addresses: the median over builds is the estimate, and the lowest and highest build show how far
+  placement alone moves it (a process gets one placement; which one is luck).
 
 Both run for the AdamW family's default rows, whose cost is the smallest and the hardest to measure.
 """
@@ -27,9 +32,12 @@ import torch
 
 from experiments.step_time import interleaved
 
-__all__ = ["CONTROLLED", "build_optimizer", "controls", "spread", "switched", "render"]
+__all__ = ["BUILDS", "CONTROLLED", "QUICK_BUILDS", "build_optimizer", "controls", "spread", "switched", "render"]
 
 CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)")
+# independent builds per control (quick runs: 2): a placement is a property of one build, so one build
+# cannot say how much of its ratio is the code and how much where its tensors happen to sit
+BUILDS, QUICK_BUILDS = 6, 2
 
 
 def spread(num: list[float], den: list[float]) -> dict[str, float]:
@@ -59,43 +67,64 @@ def switched(opt: torch.optim.Optimizer, policy: str, spike_factor: float | None
     return step
 
 
+def _over_builds(per_build: list[dict[str, float]]) -> dict[str, float]:
+    """Median of the builds' paired medians, and the lowest and highest of them."""
+    meds = [b["median"] for b in per_build]
+    return {"median": statistics.median(meds), "low": min(meds), "high": max(meds)}
+
+
 def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[str, Callable], args,
-             device: torch.device, inner_for: Callable[[Callable[[], None]], int]) -> list[dict[str, Any]]:
-    """The A/A and same-tensor paired ratios of each :data:`CONTROLLED` row (2 × ``args.rounds`` rounds,
-    ``inner_for(step)`` steps per sample, as the main table chooses them)."""
+             device: torch.device, inner_for: Callable[[Callable[[], None]], int],
+             builds: int = BUILDS) -> list[dict[str, Any]]:
+    """The A/A and same-tensor paired ratios of each :data:`CONTROLLED` row over ``builds`` independent
+    builds (2 × ``args.rounds`` rounds each, ``inner_for(step)`` steps per sample, as the main table chooses
+    them). Every build is kept alive until the row is done, so each holds its own addresses: a build freed
+    before the next one is made would hand it the same memory, and all would share one placement."""
     rows = []
     for name in CONTROLLED:
         make = optimizers[name]
-        first, second = (build_optimizer(base, grads, make, "off").step for _ in range(2))
-        one = build_optimizer(base, grads, make, "repair")
-        arms = {"aa_first": first, "aa_second": second,
-                "same_repair": switched(one, "repair", one.spike_factor),
-                "same_off": switched(one, "off", one.spike_factor)}
-        for arm in arms.values():
+        offs = [build_optimizer(base, grads, make, "off") for _ in range(2 * builds)]
+        ones = [build_optimizer(base, grads, make, "repair") for _ in range(builds)]
+        for opt in offs + ones:
             for _ in range(args.warmup):
-                arm()
-        inner = inner_for(first)
-        times = {}
-        for pair in (("aa_second", "aa_first"), ("same_repair", "same_off")):
-            times.update(interleaved({k: arms[k] for k in pair}, rounds=2 * args.rounds, warmup=0, inner=inner,
-                                     device=device))
-        rows.append({"optimizer": name, "inner": inner,
-                     "aa": spread(times["aa_second"], times["aa_first"]),
-                     "same_tensors": spread(times["same_repair"], times["same_off"]),
-                     "raw_ms": {k: [1e3 * x for x in v] for k, v in times.items()}})
-        del arms, one
+                opt.step()
+        inner = inner_for(offs[0].step)
+        per_build, raw = [], {"aa_second": [], "aa_first": [], "same_repair": [], "same_off": []}
+        for b, one in enumerate(ones):
+            pairs = ({"aa_second": offs[2 * b + 1].step, "aa_first": offs[2 * b].step},
+                     {"same_repair": switched(one, "repair", one.spike_factor),
+                      "same_off": switched(one, "off", one.spike_factor)})
+            times = {}
+            for arms in pairs:
+                times.update(interleaved(arms, rounds=2 * args.rounds, warmup=0, inner=inner, device=device))
+            per_build.append({"aa": spread(times["aa_second"], times["aa_first"]),
+                              "same_tensors": spread(times["same_repair"], times["same_off"])})
+            for k, v in times.items():
+                raw[k].append([1e3 * x for x in v])
+        rows.append({"optimizer": name, "inner": inner, "builds": builds,
+                     "aa": _over_builds([b["aa"] for b in per_build]),
+                     "same_tensors": _over_builds([b["same_tensors"] for b in per_build]),
+                     "per_build": per_build, "raw_ms": raw})
+        del offs, ones
     return rows
 
 
 def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
     """Markdown lines: the controls' table and the same-tensor verdict against ``limit`` (e.g. 1.02)."""
-    fmt = lambda s: f"{s['median']:.3f} ({s['q1']:.3f}–{s['q3']:.3f})"  # noqa: E731
+    builds = rows[0].get("builds", 1)
+    if builds > 1:
+        fmt = lambda s: f"{s['median']:.3f} ({s['low']:.3f}–{s['high']:.3f})"  # noqa: E731
+        how = (f"Median over {builds} independent builds (each kept alive, so each has its own addresses) of "
+               f"each build's paired median over {rounds} rounds; in brackets the lowest and the highest build.")
+    else:  # JSON written before the controls ran several builds
+        fmt = lambda s: f"{s['median']:.3f} ({s['q1']:.3f}–{s['q3']:.3f})"  # noqa: E731
+        how = f"Paired median (quartiles) over {rounds} rounds."
     lines = ["", "**Controls: can this machine resolve 2%?** (`experiments/overhead_controls.py`) A/A: the "
              "row built twice with `resolution=\"off\"`, paired exactly as the table pairs repair with off — "
              "identical code, so its distance from 1.000 is the method's error on this machine (our reading, "
              "not measured: the separately built arms' memory placement). Same tensors: one optimizer whose "
-             "policy is switched between \"repair\" and \"off\" between samples, so both arms step the very same tensors. Paired median (quartiles) "
-             f"over {rounds} rounds.", "",
+             "policy is switched between \"repair\" and \"off\" between samples, so both arms step the very "
+             f"same tensors. {how}", "",
              "| row | A/A: off / off, separately built | repair / off, same tensors |", "|---|---|---|"]
     lines += [f"| {r['optimizer']} | {fmt(r['aa'])} | {fmt(r['same_tensors'])} |" for r in rows]
     met = [r["optimizer"] for r in rows if r["same_tensors"]["median"] <= limit]

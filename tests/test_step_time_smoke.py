@@ -82,11 +82,17 @@ def test_overhead_quick(tmp_path):
     assert "**Each optimizer as constructed by default**" in section
     # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
     assert [c["optimizer"] for c in data["controls"]] == ["AdamW (fused)", "SFAdamW (fused)"]
-    for c in data["controls"]:
-        assert all(_finite_positive(c[k][q]) for k in ("aa", "same_tensors") for q in ("median", "q1", "q3"))
-        assert c["aa"]["q1"] <= c["aa"]["median"] <= c["aa"]["q3"]
-        assert {len(v) for v in c["raw_ms"].values()} == {4}  # 2 x rounds, every arm
+    for c in data["controls"]:  # over independent builds: each build's paired median, then their median
+        assert c["builds"] == 2 and len(c["per_build"]) == 2
+        for k in ("aa", "same_tensors"):
+            assert all(_finite_positive(c[k][q]) for q in ("median", "low", "high"))
+            meds = sorted(b[k]["median"] for b in c["per_build"])
+            assert (c[k]["low"], c[k]["high"]) == (meds[0], meds[-1]) and meds[0] <= c[k]["median"] <= meds[-1]
+            assert all(b[k]["q1"] <= b[k]["median"] <= b[k]["q3"] for b in c["per_build"])
+        assert {len(v) for v in c["raw_ms"].values()} == {2}  # a list per build
+        assert {len(t) for v in c["raw_ms"].values() for t in v} == {4}  # 2 x rounds, every arm
     assert "A/A: off / off, separately built" in section and "Same-tensor check of the target" in section
+    assert "Median over 2 independent builds" in section
     assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
 
 
