@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     targets = {"results": args.results_md, "questions": args.open_questions_md}
     with tempfile.TemporaryDirectory() as tmp:
-        copies = {k: Path(tmp) / f"{k}.md" for k in targets}
+        copies = {k: Path(tmp) / k / p.name for k, p in targets.items()}  # the files' own names, apart
         for k, p in targets.items():
+            copies[k].parent.mkdir()
             if p.exists():
                 shutil.copyfile(p, copies[k])
         done, missing = render_all(copies["results"], copies["questions"], args.results_dir)
