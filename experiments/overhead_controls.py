@@ -20,6 +20,11 @@ Issue 3's CPU target is 2%, so the size of that effect decides whether a row's v
   its own addresses: the median over builds is the estimate, and the lowest and highest build show how far
   placement alone moves it (a process gets one placement; which one is luck).
 
+* **first and last** — the experiment runs the controls twice in its one process: before any other arm, and
+  again after the table, the training steps and the size sweep. Scratch runs (session note, 2026-11-24)
+  found the same-tensor ratio of a late run far from an early one's, in either direction, while the early
+  one agreed with a fresh process's: what ran before moves it, not only the code.
+
 Both run for the AdamW family's default rows, whose cost is the smallest and the hardest to measure.
 """
 from __future__ import annotations
@@ -109,8 +114,10 @@ def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[
     return rows
 
 
-def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
-    """Markdown lines: the controls' table and the same-tensor verdict against ``limit`` (e.g. 1.02)."""
+def render(rows: list[dict[str, Any]], limit: float, rounds: int,
+           first: list[dict[str, Any]] | None = None) -> list[str]:
+    """Markdown lines: the controls' table and the same-tensor verdict against ``limit`` (e.g. 1.02).
+    ``rows``: the controls as run at the end of the experiment; ``first``: the same, run at its start."""
     builds = rows[0].get("builds", 1)
     if builds > 1:
         fmt = lambda s: f"{s['median']:.3f} ({s['low']:.3f}–{s['high']:.3f})"  # noqa: E731
@@ -119,19 +126,24 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
     else:  # JSON written before the controls ran several builds
         fmt = lambda s: f"{s['median']:.3f} ({s['q1']:.3f}–{s['q3']:.3f})"  # noqa: E731
         how = f"Paired median (quartiles) over {rounds} rounds."
+    runs = ([("first, before any other arm", first)] if first else []) + \
+           [("last, after every other arm" if first else "last", rows)]
     lines = ["", "**Controls: can this machine resolve 2%?** (`experiments/overhead_controls.py`) A/A: the "
              "row built twice with `resolution=\"off\"`, paired exactly as the table pairs repair with off — "
              "identical code, so its distance from 1.000 is the method's error on this machine (our reading, "
              "not measured: the separately built arms' memory placement). Same tensors: one optimizer whose "
              "policy is switched between \"repair\" and \"off\" between samples, so both arms step the very "
-             f"same tensors. {how}", "",
-             "| row | A/A: off / off, separately built | repair / off, same tensors |", "|---|---|---|"]
-    lines += [f"| {r['optimizer']} | {fmt(r['aa'])} | {fmt(r['same_tensors'])} |" for r in rows]
-    met = [r["optimizer"] for r in rows if r["same_tensors"]["median"] <= limit]
-    miss = [r["optimizer"] for r in rows if r["same_tensors"]["median"] > limit]
-    pct = {r["optimizer"]: f"{100 * (r['same_tensors']['median'] - 1):+.1f}%" for r in rows}
+             f"same tensors. {how}" + (" The controls run twice in the one process: first, then again after "
+                                       "the table, the training steps and the sweep." if first else ""), "",
+             "| row | run | A/A: off / off, separately built | repair / off, same tensors |", "|---|---|---|---|"]
+    lines += [f"| {r['optimizer']} | {when.split(',')[0]} | {fmt(r['aa'])} | {fmt(r['same_tensors'])} |"
+              for when, rs in runs for r in rs]
+
+    def verdict(rs: list[dict[str, Any]]) -> str:
+        return "; ".join(f"{r['optimizer']} {100 * (r['same_tensors']['median'] - 1):+.1f}% "
+                         f"{'met' if r['same_tensors']['median'] <= limit else 'MISSED'}" for r in rs)
+
     lines.append("\nSame-tensor check of the target (a method added after the A/A control showed the table's "
                  "error; the verdict above is left as its rule states): "
-                 + ("; ".join(f"{n} {pct[n]} met" for n in met) + ("; " if met and miss else "")
-                    + "; ".join(f"{n} {pct[n]} MISSED" for n in miss)) + ".")
+                 + "; ".join(f"{when}: {verdict(rs)}" if first else verdict(rs) for when, rs in runs) + ".")
     return lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,8 +82,10 @@ def test_overhead_quick(tmp_path):
                                     for c in ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")}
     assert "**Each optimizer as constructed by default**" in section
     # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
+    # run twice in the one process: first, before any other arm, and last, after all of them
     assert [c["optimizer"] for c in data["controls"]] == ["AdamW (fused)", "SFAdamW (fused)"]
-    for c in data["controls"]:  # over independent builds: each build's paired median, then their median
+    assert [c["optimizer"] for c in data["controls_first"]] == ["AdamW (fused)", "SFAdamW (fused)"]
+    for c in data["controls"] + data["controls_first"]:  # over independent builds: each build's median, then theirs
         assert c["builds"] == 2 and len(c["per_build"]) == 2
         for k in ("aa", "same_tensors"):
             assert all(_finite_positive(c[k][q]) for q in ("median", "low", "high"))
@@ -93,6 +96,9 @@ def test_overhead_quick(tmp_path):
         assert {len(t) for v in c["raw_ms"].values() for t in v} == {4}  # 2 x rounds, every arm
     assert "A/A: off / off, separately built" in section and "Same-tensor check of the target" in section
     assert "Median over 2 independent builds" in section
+    assert "| AdamW (fused) | first |" in section and "| SFAdamW (fused) | last |" in section
+    verdicts = section.split("Same-tensor check of the target")[1]
+    assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d% (?:met|MISSED)", verdicts)) == 4  # 2 rows x 2 runs
     assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
 
 
