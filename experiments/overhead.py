@@ -3,7 +3,10 @@
 For every optimizer (AdamW foreach, compiled and fused — the last also with the opt-in spike guard —,
 SFAdamW foreach and fused — again also with the guard —, SFNorMuon foreach, compiled and fused, FullFusion
 foreach and fused, Muon foreach and fused) two arms that differ only in the policy, "repair" and "off",
-run side by side in interleaved rounds (warm-up first, medians):
+run side by side in interleaved rounds (warm-up first, medians). The two arms of a row are one optimizer
+whose ``resolution_policy`` is switched before each sample, so they step the very same tensors: two
+separately built optimizers also differ in where their tensors sit, which moved the A/A control (the same
+code twice) by up to ±10% on this machine — far more than the 2% target this table judges:
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
 * a whole training step of a small transformer (forward, backward, step) on a fixed batch.
@@ -66,23 +69,32 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 POLICIES = ("repair", "off")
 
 
-def _step_arm(base: torch.nn.Module, grads: list[torch.Tensor], make, policy: str) -> Callable[[], None]:
-    return build_optimizer(base, grads, make, policy).step
+def _step_arms(base: torch.nn.Module, grads: list[torch.Tensor], make) -> dict[str, Callable[[], None]]:
+    """{policy: step} for one optimizer whose policy is switched before each sample: both arms step the very
+    same tensors (arms built separately differ in memory placement too, which the A/A control showed moving
+    a ratio by up to ±10% on its own). Each arm keeps the optimizer's own spike guard setting."""
+    opt = build_optimizer(base, grads, make, "repair")
+    return {p: switched(opt, p, opt.spike_factor) for p in POLICIES}
 
 
-def _train_arm(base: torch.nn.Module, batch, make, policy: str) -> Callable[[], None]:
+def _train_arms(base: torch.nn.Module, batch, make) -> dict[str, Callable[[], None]]:
+    """{policy: training step} of one model and one optimizer, the policy switched as in :func:`_step_arms`."""
     model = copy.deepcopy(base)
-    opt = make(model, policy)
+    opt = make(model, "repair")
     x, y = batch
 
-    def train_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.set_loss(loss)
-        opt.step()
+    def arm(policy: str) -> Callable[[], None]:
+        step = switched(opt, policy, opt.spike_factor)
 
-    return train_step
+        def train_step() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(x, y)
+            loss.backward()
+            opt.set_loss(loss)
+            step()
+        return train_step
+
+    return {p: arm(p) for p in POLICIES}
 
 
 def _paired(times: dict[str, list[float]], name: str) -> dict[str, float]:
@@ -189,12 +201,11 @@ def run(args) -> dict[str, Any]:
     batch = random_batch(cfg, args.batch, device=device)
     t0 = time.perf_counter()
     ctrl_first = _controls(base, grads, args, device)  # before any other arm has run in this process
-    step_arms = {f"{n} | {p}": _step_arm(base, grads, make, p) for n, make in OPTIMIZERS.items()
-                 for p in POLICIES}
+    step_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items() for p, arm in _step_arms(base, grads, make).items()}
     step_times, step_inner = _interleave_pairs(step_arms, args, device)
     del step_arms
-    train_arms = {f"{n} | {p}": _train_arm(base, batch, make, p) for n, make in OPTIMIZERS.items()
-                  for p in POLICIES}
+    train_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items()
+                  for p, arm in _train_arms(base, batch, make).items()}
     train_times, train_inner = _interleave_pairs(train_arms, args, device)
     sweep = _size_sweep(args, device)
     ctrl = _controls(base, grads, args, device)
@@ -214,7 +225,7 @@ def run(args) -> dict[str, Any]:
             "model": {**vars(cfg), "batch": args.batch},
             "settings": {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner,
                          "sample_ms": args.sample_ms, "inner_step": step_inner, "inner_train_step": train_inner,
-                         "wall_s": time.perf_counter() - t0},
+                         "wall_s": time.perf_counter() - t0, "design": "same tensors"},
             "targets": {"cpu_step_ratio_max": 1.02, "gpu_train_share_max": 0.003, "applies": limit},
             "auto_runs": auto_choice(device),  # which rows the default, impl="auto", runs here
             "default_rows": default_rows(auto_choice(device)),
@@ -257,7 +268,11 @@ def render(data: dict[str, Any]) -> str:
              f"interleaved rounds; each sample times enough steps back to back for about {s['sample_ms']:g} ms "
              f"(optimizer step: {min(s['inner_step'].values())}–{max(s['inner_step'].values())} steps; training "
              f"step: {min(s['inner_train_step'].values())}–{max(s['inner_train_step'].values())}); the repair and "
-             "off arms of an optimizer run back to back (paired ratio = median over rounds of repair/off).",
+             "off arms of an optimizer run back to back (paired ratio = median over rounds of repair/off)"
+             + (". **Design (changed 2026-11-24):** each row's two arms are one optimizer (and, for the training "
+                "step, one model) whose policy is switched between samples, so both step the very same tensors; "
+                "until then each arm was built separately, a design whose own error the A/A control below shows."
+                if s.get("design") == "same tensors" else "."),
              "The spread column gives the middle half (quartiles) of the per-round paired step ratios: how "
              "far one run of this table can move on this machine.",
              "", "| optimizer | step off ms | step repair ms | step ratio (paired) | paired spread | "

@@ -129,9 +129,10 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int,
     runs = ([("first, before any other arm", first)] if first else []) + \
            [("last, after every other arm" if first else "last", rows)]
     lines = ["", "**Controls: can this machine resolve 2%?** (`experiments/overhead_controls.py`) A/A: the "
-             "row built twice with `resolution=\"off\"`, paired exactly as the table pairs repair with off — "
-             "identical code, so its distance from 1.000 is the method's error on this machine (our reading, "
-             "not measured: the separately built arms' memory placement). Same tensors: one optimizer whose "
+             "row built twice with `resolution=\"off\"`, paired as the table paired repair with off until "
+             "2026-11-24 — identical code, so its distance from 1.000 is that design's error on this machine "
+             "(our reading, not measured: the separately built arms' memory placement). Same tensors: one "
+             "optimizer whose "
              "policy is switched between \"repair\" and \"off\" between samples, so both arms step the very "
              f"same tensors. {how}" + (" The controls run twice in the one process: first, then again after "
                                        "the table, the training steps and the sweep." if first else ""), "",
@@ -143,7 +144,7 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int,
         return "; ".join(f"{r['optimizer']} {100 * (r['same_tensors']['median'] - 1):+.1f}% "
                          f"{'met' if r['same_tensors']['median'] <= limit else 'MISSED'}" for r in rs)
 
-    lines.append("\nSame-tensor check of the target (a method added after the A/A control showed the table's "
-                 "error; the verdict above is left as its rule states): "
+    lines.append("\nSame-tensor check of the target, over builds (the first run is the one that nothing else "
+                 "has run before in its process): "
                  + "; ".join(f"{when}: {verdict(rs)}" if first else verdict(rs) for when, rs in runs) + ".")
     return lines

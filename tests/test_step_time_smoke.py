@@ -96,10 +96,29 @@ def test_overhead_quick(tmp_path):
         assert {len(t) for v in c["raw_ms"].values() for t in v} == {4}  # 2 x rounds, every arm
     assert "A/A: off / off, separately built" in section and "Same-tensor check of the target" in section
     assert "Median over 2 independent builds" in section
+    # each row's two arms step one optimizer (the same tensors), and the rendered text says so
+    assert data["settings"]["design"] == "same tensors" and "**Design (changed 2026-11-24):**" in section
     assert "| AdamW (fused) | first |" in section and "| SFAdamW (fused) | last |" in section
     verdicts = section.split("Same-tensor check of the target")[1]
     assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d% (?:met|MISSED)", verdicts)) == 4  # 2 rows x 2 runs
     assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
+
+
+def test_overhead_rows_pair_repair_and_off_on_one_optimizer():
+    import torch
+
+    from experiments.overhead import OPTIMIZERS, _step_arms
+
+    base = torch.nn.Linear(4, 3)
+    grads = [torch.ones_like(p) for p in base.parameters()]
+    arms = _step_arms(base, grads, OPTIMIZERS["AdamW (fused, spike_factor=10)"])
+    arms["repair"]()
+    arms["off"]()
+    captured = [dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__))) for f in arms.values()]
+    opt = captured[0]["opt"]
+    assert all(c["opt"] is opt for c in captured)  # one optimizer behind both arms
+    assert opt.resolution_policy == "off" and opt.spike_factor == 10.0  # the row's guard kept under both
+    assert [float(opt.state[p]["step"]) for p in opt.param_groups[0]["params"]] == [2.0, 2.0]
 
 
 def test_switched_arms_step_one_optimizer_under_their_own_settings():
