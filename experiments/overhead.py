@@ -6,7 +6,7 @@ foreach and fused, Muon foreach and fused) two arms that differ only in the poli
 run side by side in interleaved rounds (warm-up first, medians). The two arms of a row are one optimizer
 whose ``resolution_policy`` is switched before each sample, so they step the very same tensors: two
 separately built optimizers also differ in where their tensors sit, which moved the A/A control (the same
-code twice) by up to ±10% on this machine — far more than the 2% target this table judges:
+code twice) by ±10% and more on this machine — far more than the 2% target this table judges:
 
 * the optimizer step alone (fixed-seed synthetic gradients, as in step-time);
 * a whole training step of a small transformer (forward, backward, step) on a fixed batch.
@@ -72,7 +72,7 @@ POLICIES = ("repair", "off")
 def _step_arms(base: torch.nn.Module, grads: list[torch.Tensor], make) -> dict[str, Callable[[], None]]:
     """{policy: step} for one optimizer whose policy is switched before each sample: both arms step the very
     same tensors (arms built separately differ in memory placement too, which the A/A control showed moving
-    a ratio by up to ±10% on its own). Each arm keeps the optimizer's own spike guard setting."""
+    a ratio by ±10% and more on its own). Each arm keeps the optimizer's own spike guard setting."""
     opt = build_optimizer(base, grads, make, "repair")
     return {p: switched(opt, p, opt.spike_factor) for p in POLICIES}
 
