@@ -44,17 +44,18 @@ from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
 
 LR = 1e-3
+GUARD = 10.0  # the opt-in spike guard's factor in the "spike_factor=10" rows and the size sweep
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "AdamW (foreach)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="foreach"),
     "AdamW (compiled)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="compiled"),
     "AdamW (fused)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
     # the same with the opt-in spike guard: what its read-only pre-pass over g costs (functional/spike.py)
     "AdamW (fused, spike_factor=10)": lambda m, pol: no.AdamW(m.parameters(), lr=LR, resolution=pol,
-                                                              impl="fused", spike_factor=10.0),
+                                                              impl="fused", spike_factor=GUARD),
     "SFAdamW (foreach)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol, impl="foreach"),
     "SFAdamW (fused)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol, impl="fused"),
     "SFAdamW (fused, spike_factor=10)": lambda m, pol: no.SFAdamW(m.parameters(), lr=LR, resolution=pol,
-                                                                  impl="fused", spike_factor=10.0),
+                                                                  impl="fused", spike_factor=GUARD),
     "SFNorMuon (foreach)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
                                                        impl="foreach"),
     "SFNorMuon (compiled)": lambda m, pol: no.SFNorMuon(no.param_groups(m), lr=LR, resolution=pol,
@@ -146,7 +147,7 @@ def _interleave_pairs(arms: dict[str, Callable], args, device) -> tuple[dict[str
     return out, inner
 
 
-SWEEP_OPTIMIZER, SWEEP_GUARD = "AdamW (fused)", 10.0
+SWEEP_OPTIMIZER = "AdamW (fused)"
 SWEEP_SIZES, QUICK_SWEEP_SIZES = (1 << 16, 1 << 20, 1 << 24), (1 << 10, 1 << 12)
 # bytes per entry an fp32 AdamW step must move: read p, g, m, v and write p, m, v; the guard's pre-pass
 # reads g once more, which is free only while the tensor's g is still in a cache when the update re-reads it
@@ -167,7 +168,7 @@ def _size_sweep(args, device) -> list[dict[str, Any]]:
         grads = [torch.randn(n, device=device) * 1e-2]
         opt = build_optimizer(base, grads, OPTIMIZERS[SWEEP_OPTIMIZER], "repair")
         arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair"),
-                "repair_guard": switched(opt, "repair", SWEEP_GUARD), "aa": switched(opt, "off")}
+                "repair_guard": switched(opt, "repair", GUARD), "aa": switched(opt, "off")}
         for _ in range(args.warmup):
             arms["off"]()
         inner = _inner(args, _timed(arms["off"], device))
@@ -201,7 +202,8 @@ def run(args) -> dict[str, Any]:
     batch = random_batch(cfg, args.batch, device=device)
     t0 = time.perf_counter()
     ctrl_first = _controls(base, grads, args, device)  # before any other arm has run in this process
-    step_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items() for p, arm in _step_arms(base, grads, make).items()}
+    step_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items()
+                 for p, arm in _step_arms(base, grads, make).items()}
     step_times, step_inner = _interleave_pairs(step_arms, args, device)
     del step_arms
     train_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items()

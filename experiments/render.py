@@ -107,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             if p.exists():
                 shutil.copyfile(p, copies[k])
         done, missing = render_all(copies["results"], copies["questions"], args.results_dir)
-        diffs = {k: _stale(targets[k], copies[k]) if targets[k].exists() else ["(file missing)"] for k in targets}
-        if not args.check:
+        if args.check:
+            diffs = {k: _stale(targets[k], copies[k]) if targets[k].exists() else ["(file missing)"]
+                     for k in targets}
+        else:
             for k in targets:
-                shutil.copyfile(copies[k], targets[k])
+                if copies[k].exists():  # a file neither published nor rendered stays absent
+                    shutil.copyfile(copies[k], targets[k])
     print(f"rendered from {args.results_dir}: {', '.join(done) or 'nothing'}"
           + (f"; left as they are (no JSON or not published): {', '.join(missing)}" if missing else ""))
     if not args.check:
