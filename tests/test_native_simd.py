@@ -59,7 +59,51 @@ def overflow_run(cls, policy):
         opt.step()
     return params, opt
 
+def magnitude_run(cls, lr, eps, top, top_grad, **kw):
+    # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
+    # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
+    # loop's early test (clean_limit_ in scalar_avx512.h, which depends on lr and eps) and some just over
+    # it, and the largest overflow inside the step. A quarter of the entries get a (negative, finite) v that
+    # cancels the coming g², so the new v is about 0 and the denominator about eps: the case the bound is
+    # sharp for. The portable build tests every value it computes, so an early test that let an
+    # overflowing entry through writes other bits. The test is per 32 entries, so a run meant to reach the
+    # bound keeps most magnitudes below it (a small top): one entry over it sends its 31 neighbours to the
+    # exact path too.
+    gen = torch.Generator().manual_seed(5)
+
+    def spread(n, lo=-30.0, hi=38.5):
+        sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+        return sign * 10.0 ** (lo + (hi - lo) * torch.rand(n, generator=gen))
+
+    params = [spread(40_000, hi=top).requires_grad_(), spread(999, hi=top).requires_grad_()]
+    opt = getattr(no, cls)(params, lr=lr, eps=eps, resolution="repair", impl="fused", spike_factor=None, **kw)
+    for p in params:
+        p.grad = spread(p.numel()).clamp(-1e19, 1e19)
+    opt.step()
+    beta2 = opt.param_groups[0]["betas"][1]
+    b2, one_m_b2 = torch.tensor(beta2), torch.tensor(1 - beta2)  # as the kernel rounds them: fp32
+    for p in params:  # moments over the same range too
+        st = opt.state[p]
+        st["exp_avg_sq"].copy_(spread(p.numel(), hi=top).abs())
+        st["z" if cls == "SFAdamW" else "exp_avg"].copy_(spread(p.numel(), hi=top))
+    for _ in range(2):
+        for p in params:
+            g = p.grad = spread(p.numel(), hi=top_grad)
+            v = opt.state[p]["exp_avg_sq"]
+            cancel = -((one_m_b2 * g) * g) / b2
+            v.copy_(torch.where((torch.rand(v.shape, generator=gen) < 0.25) & cancel.isfinite(), cancel, v))
+        opt.step()
+    return params, opt
+
 out = {"simd_width": torch.tensor(native.library().nonans_simd_width())}
+for cls in ("AdamW", "SFAdamW"):
+    # β₂ = 0.5 makes the cancelling v exact (scaling by a power of two): the new v is exactly 0 there. The
+    # second run reaches the bound (about 4e7 for SFAdamW, 3e6 for AdamW; a bound 1000x too loose fails it)
+    for i, (lr, eps, top, top_grad, kw) in enumerate((
+            (1e-3, 1e-8, 38.5, 19.0, {}), (1.0, 1e-30, 6.0, 11.0, {"weight_decay": 0.5, "betas": (0.9, 0.5)}),
+            (1e6, 1e-8, 20.0, 19.0, {"betas": (0.9, 0.5)}), (1e-3, 1e-8, 38.5, 19.0, {"betas": (0.3, 0.99)}))):
+        params, opt = magnitude_run(cls, lr, eps, top, top_grad, **kw)
+        out[(cls, "magnitude", i)] = (params, opt.state_dict())
 for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
     params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, **kw)
     out[i] = (params, opt.state_dict())
@@ -107,7 +151,7 @@ def test_avx512_build_writes_the_portable_bits(tmp_path):
     fast, portable = _dump(tmp_path, "auto"), _dump(tmp_path, "portable")
     assert (int(fast.pop("simd_width")), int(portable.pop("simd_width"))) == (512, 0)  # two different builds ran
     assert fast.keys() == portable.keys()
-    compared, update_events = 0, 0
+    compared, update_events, overflows = 0, 0, {"AdamW": 0, "SFAdamW": 0}
     for key in fast:
         a, b = dict(_tensors(fast[key])), dict(_tensors(portable[key]))
         assert a.keys() == b.keys(), key
@@ -120,4 +164,8 @@ def test_avx512_build_writes_the_portable_bits(tmp_path):
             assert counts[:, 3].sum() > 0, key
             update_events += int(counts[:, 3].sum())
             assert all(torch.isfinite(p).all() for p in fast[key][0]), key
+        if isinstance(key, tuple) and key[1] == "magnitude":
+            assert all(torch.isfinite(p).all() for p in fast[key][0]), key
+            overflows[key[0]] += int(fast[key][1]["state"]["nonans"]["resolution"]["counts"][:, 1:4].sum())
     assert compared > 100 and update_events > 0
+    assert min(overflows.values()) > 0, overflows  # the magnitude runs did overflow inside the step

@@ -2,7 +2,9 @@
  * when it is compiled in, and why intrinsics). The portable update loop ran 1.7x (AdamW) and 2.5x
  * (SFAdamW) its "off" loop on cache-resident data; this one about 1.05–1.1x (a C driver over 262K
  * entries, one thread), and 1.00–1.03x since it tests vectors in pairs with the lerp form fixed at
- * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits.
+ * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits. The pairs' test
+ * moved from the new values to the loaded ones and the new v (early_bad_), which took SFAdamW from
+ * about 1.025x to 1.007x (same driver, 262K entries, best of 36 alternations).
  *
  * Pass 1's sum of squares runs four independent vector accumulators (one chain was latency-bound), the
  * 64 lanes of scalar_step.c's sumsq_portable, added in the same order — the guard's scale, and so every
@@ -11,9 +13,10 @@
 #define NONANS_SCALAR_AVX512_H
 #include "simd_avx512.h"
 #ifdef NONANS_AVX512
+#include <float.h>
 
 typedef struct {
-    __m512 s, one_m_b2, b2, w, one_m_w, bc1, bc2, eps;
+    __m512 s, one_m_b2, b2, w, one_m_w, bc1, bc2, eps, lim;
     int small_w;
     vparam_t u;
 } vhyper_t;
@@ -125,20 +128,45 @@ static inline __attribute__((always_inline)) void vec_update_(
     vec_store_(sf, full, lm, p, m, v, z, j, vn, mn, y, zn);
 }
 
-/* Two full vectors at j and j + 16 of the clean gated loop, tested together: one test of the sum of
- * both vectors' sums (non-finite if any term is), and only a pair that fails it takes the exact path,
- * vector by vector. Half the tests and branches of vec_update_ on the path every clean step takes. */
+/* VRANGEPS imm8: the larger magnitude of the two operands, sign cleared (a NaN operand gives NaN). */
+#define MAXABS_ 0x0B
+/* VFPCLASSPS categories a new v must not fall in: NaN, ±Inf and negative finite (-0 is fine). */
+#define NOT_V_ (NONFINITE_ | 0x40)
+
+/* The early form of the speculation test, on values that are ready soon after the loads: every input's
+ * magnitude (g, p, and z or m) at most k->lim (clean_limit_), and the new v finite and not negative.
+ * Under it the stock arithmetic cannot produce a non-finite m, y or z (the bound's derivation is at
+ * clean_limit_), and a non-finite g fails it (itself, and through its v), so it implies the late test.
+ * Why not the late test's sum: it waits for y and z, the last values of a divide-and-square-root chain,
+ * and on Zen 4 testing them cost SFAdamW's cache-resident loop about 2.5% where this test costs under 1%
+ * (a C driver over 262K entries, one thread, best of 36 alternations: 1.025 → 1.007; AdamW 1.005 → 0.996).
+ * More operations, but none of them waits on the chain. */
+static inline __attribute__((always_inline)) __mmask16 early_bad_(const int sf, const vin_t *a, const vin_t *b,
+                                                                   __m512 vna, __m512 vnb, const vhyper_t *k) {
+    const __m512 st = sf ? _mm512_range_ps(a->zo, b->zo, MAXABS_) : _mm512_range_ps(a->mo, b->mo, MAXABS_);
+    const __m512 r = _mm512_range_ps(_mm512_range_ps(a->gr, b->gr, MAXABS_),
+                                     _mm512_range_ps(_mm512_range_ps(a->po, b->po, MAXABS_), st, MAXABS_), MAXABS_);
+    return _mm512_cmp_ps_mask(r, k->lim, _CMP_NLE_UQ) | _mm512_fpclass_ps_mask(vna, NOT_V_) |
+           _mm512_fpclass_ps_mask(vnb, NOT_V_);
+}
+
+/* Two full vectors at j and j + 16 of the clean gated loop, tested together — early (early_bad_), or
+ * where the hyperparameters give no bound, late: one test of the sum of both vectors' sums (non-finite if
+ * any term is). Only a pair that fails takes the exact path, vector by vector. Half the tests and branches
+ * of vec_update_ on the path every clean step takes. */
 static inline __attribute__((always_inline)) void vec_pair_(
-        const int sf, const int decay_z, float *restrict p, const float *restrict g, float *restrict m,
-        float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb, int64_t *un,
-        int64_t *ub) {
+        const int sf, const int decay_z, const int early, float *restrict p, const float *restrict g,
+        float *restrict m, float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb,
+        int64_t *un, int64_t *ub) {
     const __mmask16 all = (__mmask16)0xFFFF;
     const vin_t a = vin_load_(sf, 1, all, p, g, m, v, z, j, k), b = vin_load_(sf, 1, all, p, g, m, v, z, j + 16, k);
     __m512 vna, mna, ya, zna = a.zo, vnb, mnb, yb, znb = b.zo;
     arith_(sf, decay_z, 0, a.gs, a.vo, a.mo, a.po, a.zo, 0, all, k, &vna, &mna, &ya, &zna, vb);
     arith_(sf, decay_z, 0, b.gs, b.vo, b.mo, b.po, b.zo, 0, all, k, &vnb, &mnb, &yb, &znb, vb);
-    const __m512 sum = _mm512_add_ps(vcheck_(sf, vna, ya, zna), vcheck_(sf, vnb, yb, znb));
-    if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0)) {
+    const __mmask16 bad = early ? early_bad_(sf, &a, &b, vna, vnb, k)
+                                : _mm512_fpclass_ps_mask(_mm512_add_ps(vcheck_(sf, vna, ya, zna),
+                                                                       vcheck_(sf, vnb, yb, znb)), NONFINITE_);
+    if (__builtin_expect(bad != 0, 0)) {
         vec_exact_(sf, decay_z, &a, all, k, 0, 0, &vna, &mna, &ya, &zna, vb, un, ub);
         vec_exact_(sf, decay_z, &b, all, k, 0, 0, &vnb, &mnb, &yb, &znb, vb, un, ub);
     }
@@ -151,7 +179,7 @@ static inline __attribute__((always_inline)) void vec_pair_(
  * kept a compare and a branch in every iteration of the gated loop, which gcc hoists only from the
  * stock one. */
 static inline __attribute__((always_inline)) void vec_loop_(
-        const int sf, const int gate, const int decay_z, const int small, const int exact,
+        const int sf, const int gate, const int decay_z, const int small, const int exact, const int early,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t b0, int64_t b1, const vhyper_t *k0, int hold, int skip_all, int64_t *vb, int64_t *un,
         int64_t *ub) {
@@ -159,12 +187,43 @@ static inline __attribute__((always_inline)) void vec_loop_(
     if (sf) k.u.small_c = small; else k.small_w = small;
     int64_t j = b0;
     if (gate && !exact)
-        for (; j + 32 <= b1; j += 32) vec_pair_(sf, decay_z, p, g, m, v, z, j, &k, vb, un, ub);
+        for (; j + 32 <= b1; j += 32) vec_pair_(sf, decay_z, early, p, g, m, v, z, j, &k, vb, un, ub);
     for (; j + 16 <= b1; j += 16)
         vec_update_(sf, gate, decay_z, 1, exact, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, vb, un,
                     ub);
     if (j < b1)
         vec_update_(sf, gate, decay_z, 0, exact, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
+}
+
+/* The magnitude bound of early_bad_ for one tensor's block: the largest L such that, when |g|, |p| and |z|
+ * (AdamW: |m|) are at most L and the new v is finite and not negative, every value the stock arithmetic
+ * computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias
+ * correction of 0), and then the loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
+ * and lerpk = 1 + 2·max(|w|, |1-w|) for a lerp of weight w (either of lerpf_'s forms, both operands at most
+ * M in magnitude, stays within lerpk·M):
+ *
+ *   the new v ≥ 0 gives a denominator sqrt(v / bc2) + eps ≥ eps, or +Inf (then d = 0);
+ *   AdamW:  |m| ≤ S·lerpk·L = mk·L;  |m / bc1| ≤ mk·L / bc1;  |d| ≤ mk·L / (bc1·eps);
+ *           |y| = |p·wdf - lr·d| ≤ (|wdf| + |lr|·mk / (bc1·eps))·L;
+ *   SF:     |d| ≤ (|s| / eps + |λ|)·L = dk·L (λ only with decoupled z decay); |z - d·lr| ≤ (1 + |lr|·dk)·L;
+ *           |y| = |lerp(p, z, c) + d·lrc| ≤ (lerpk + |lrc|·dk)·L;  z - p inside the lerp ≤ 2L.
+ *
+ * L is FLT_MAX / 8 over the largest of these factors: eight, not one, covers the few roundings (each at most
+ * a factor 1 + 2⁻²⁴) between a bound and the value. Computed in double, once per block. */
+static inline float clean_limit_(const int sf, const int decay_z, float s, float lr, float wdf, float lrc,
+                                 float bc1, const hyper_t h) {
+    const double w = sf ? h.c : h.one_m_b1, lerpk = 1.0 + 2.0 * fmax(fabs(w), fabs(1.0 - w));
+    const double S = fmax(1.0, fabs((double)s)), eps = h.eps;
+    double k;
+    if (sf) {
+        const double dk = fabs((double)s) / eps + (decay_z ? fabs((double)h.wd) : 0.0);
+        k = fmax(fmax(2.0, dk), fmax(1.0 + fabs((double)lr) * dk, lerpk + fabs((double)lrc) * dk));
+    } else {
+        const double mk = S * lerpk, dk = mk / (fabs((double)bc1) * eps);
+        k = fmax(fmax(mk / fabs((double)bc1), dk), fabs((double)wdf) + fabs((double)lr) * dk);
+    }
+    if (!(eps > 0.0) || !(k < INFINITY)) return 0.0f; /* also catches a NaN k, which fmax would drop */
+    return (float)(FLT_MAX / 8.0 / k);
 }
 
 /* update_block (scalar_step.c) for [b0, b1), same arguments and counts. */
@@ -176,16 +235,22 @@ static inline __attribute__((always_inline)) void update_block_avx512(
     const vhyper_t k = {
         _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
         _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
-        fabsf(h.one_m_b1) < 0.5f, vparam_make_(lr, lrc, wdf, h.wd, h.c)};
+        _mm512_set1_ps(clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, h)), fabsf(h.one_m_b1) < 0.5f,
+        vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0;
-    const int small = sf ? k.u.small_c : k.small_w;
+    /* gate is a compile-time constant: under "off" early is 0 and only the plain loops remain */
+    const int small = sf ? k.u.small_c : k.small_w, early = gate && _mm512_cvtss_f32(k.lim) > 0.0f;
     if (gate && (hold || skip_all))
-        vec_loop_(sf, gate, decay_z, small, 1, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, small, 1, 0, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
+    else if (small && early)
+        vec_loop_(sf, gate, decay_z, 1, 0, 1, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     else if (small)
-        vec_loop_(sf, gate, decay_z, 1, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, 1, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
+    else if (early)
+        vec_loop_(sf, gate, decay_z, 0, 0, 1, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     else
-        vec_loop_(sf, gate, decay_z, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, 0, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     int64_t gn = 0, gb = 0;
     if (!clean && vb > 0) /* a bad gradient entry always makes its new v non-finite: recount from g */
         for (int64_t i = b0; i < b1; i++) {
