@@ -108,6 +108,27 @@ class SingularityEvent:
     escalated: bool = False
 
 
+class NativeArgs:
+    """What :meth:`Resolution.native_args` caches: the pointers of the counters a native kernel reads and
+    writes (``ema``, ``sel`` — the int64 global indices —, ``scale``, ``streak``, ``events``), ``pack`` (the
+    record pack of ``nonans_record_step_packed``, None where the native record does not cover the counters)
+    and ``written`` (every counter tensor a kernel that also records may write through them, for the
+    autograd version bump). It holds the tensors it points into, so the pointers stay valid."""
+
+    __slots__ = ("generation", "indices", "sel_tensor", "ema", "sel", "scale", "streak", "events", "pack",
+                 "written")
+
+    def __init__(self, res: "Resolution", indices: list[int]):
+        t = res.tensors
+        self.generation, self.indices = res.generation, indices
+        self.sel_tensor = torch.tensor(indices, dtype=torch.int64, device=t["scale"].device)
+        self.ema, self.sel, self.scale = t["grad_norm_ema"].data_ptr(), self.sel_tensor.data_ptr(), t["scale"].data_ptr()
+        self.streak, self.events = t["clean_streak"].data_ptr(), t["events"].data_ptr()
+        packed = res.native_record_pack()
+        self.pack = None if packed is None else packed[0]
+        self.written = [t["grad_norm_ema"], *(packed[1] if packed is not None else ())]
+
+
 class Resolution:
     """Device-side counters, event ring and escalation for one optimizer.
 
@@ -130,6 +151,11 @@ class Resolution:
         self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
         self.repeat_window = repeat_window
         self._native_cache: dict = {}  # native.record_step's checked pointers
+        # native_args' bundles, one per index list; valid while generation is the one they were made at.
+        # The counters are replaced (never resized in place) only by this class — the torch record_step,
+        # load_state_dict — and each replacement bumps it.
+        self._native_args: dict = {}
+        self.generation = 0
         P, S, K = num_params, len(STAGES), ring_size
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
@@ -178,6 +204,7 @@ class Resolution:
         # Only a *repeated* event backs off: one within ``repeat_window`` steps of the previous event on the
         # same parameter (a persistent fault). Sporadic faults are repaired at full step size: with 1% faulty
         # steps, backing off on every event measurably hurt the final loss (3x here, tests/test_resolution).
+        self.generation += 1  # clean_streak and scale are replaced below: cached pointers go stale
         scale, streak = t["scale"], t["clean_streak"]
         seen_before = t["events"].sum(-1) > 0
         repeated = param_event & seen_before & (streak < self.repeat_window)
@@ -206,6 +233,19 @@ class Resolution:
             return None
         return native.record_pack(self.tensors, growth_interval=self.growth_interval,
                                   repeat_window=self.repeat_window, cache=self._native_cache)
+
+    def native_args(self, indices: list[int]) -> "NativeArgs":
+        """The data pointers a native step passes for the parameters at global ``indices`` (CPU counters:
+        the caller checked), built once per index list and counter generation. Rebuilding them each step —
+        an index tensor looked up, five pointers read, the record pack checked — cost about 6 us of a
+        step's Python glue, which on a cache-resident model is most of what "repair" costs over "off"
+        (RESULTS.md, "overhead", by tensor size)."""
+        key = (indices[0] if indices else -1, len(indices))  # groups never share a first index
+        hit = self._native_args.get(key)
+        if hit is not None and hit.generation == self.generation and hit.indices == indices:
+            return hit
+        args = self._native_args[key] = NativeArgs(self, list(indices))
+        return args
 
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
     def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
@@ -253,3 +293,4 @@ class Resolution:
                 raise ValueError(f"resolution state {k!r} has shape {tuple(v.shape)}, expected "
                                  f"{tuple(self.tensors[k].shape)} (different number of parameters?)")
         self.tensors = {k: state[k].to(self.tensors[k].device).clone() for k in self.tensors}
+        self.generation += 1

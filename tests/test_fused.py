@@ -10,6 +10,7 @@ record_step is compared with the torch one on random count sequences. The generi
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -217,3 +218,33 @@ def test_second_moment_overflow_counts_as_the_loop_does(cls, impl):
     assert ("moment", 0, 2) in {(e.stage, e.nan_count, e.inf_count) for e in got_opt.events}
     assert_resolution_matches(ref_opt, got_opt)
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_cached_pointers_follow_replaced_counters(cls):
+    """The native step's counter pointers are cached (``Resolution.native_args``); every way the counters
+    get replaced — a checkpoint load, the torch record_step of another impl — must send the next fused step's
+    counts into the live tensors, not into the old ones the cache still holds."""
+    p = torch.zeros(100, requires_grad=True)
+    opt = cls([p], impl="fused")
+
+    def nan_step(impl: str = "fused") -> None:
+        opt.impl = impl
+        p.grad = torch.ones(100)
+        p.grad[7] = float("nan")
+        opt.step()
+
+    p.grad = torch.ones(100)
+    opt.step()  # clean: fills the cache
+    saved = copy.deepcopy(opt.state_dict())  # state_dict() holds the live tensors, as torch's does
+    nan_step()
+    assert opt.metrics()["resolution/nan_grad"] == 1
+    opt.load_state_dict(saved)  # the checkpoint's counters (no events) replace the live ones
+    nan_step()
+    assert opt.metrics()["resolution/nan_grad"] == 1
+    nan_step("foreach")  # the torch record_step replaces scale and clean_streak
+    nan_step()
+    m = opt.metrics()
+    assert (m["resolution/nan_grad"], m["resolution/events_total"]) == (3, 3)
+    # the second and third events repeat within the window: each halves the live scale
+    assert (m["resolution/escalations"], m["resolution/min_scale"]) == (2, 0.25)

@@ -29,7 +29,7 @@ import torch
 from .. import native
 from ..native import Int64Array
 from ..functional.spike import SPIKE_BETA
-from ._common import dense_counts, mark_written, resolution_written
+from ._common import dense_counts, mark_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
@@ -47,27 +47,29 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) ->
     return Int64Array(ptrs) if len(ptrs) == len(tensors) else None
 
 
-def resolution_pointers(ctx: dict[str, Any], indices: list[int], *, dense: bool = True) -> dict[str, Any]:
+_OFF = dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0, rec=None,
+            written=[])
+
+
+def resolution_pointers(ctx: dict[str, Any], indices: list[int], *, record: bool = False) -> dict[str, Any]:
     """The Resolution tensors the C loops read and update (CPU: the optimizer checked the device), as
-    data pointers; None and zeros under "off". ``dense=False``: no count block (the kernel records itself)."""
+    data pointers (``Resolution.native_args``, cached); None and zeros under "off". ``written``: the
+    counter tensors the call may write (for :func:`mark_written`).
+
+    ``record``: the caller's kernel can fold the step's counts into the counters itself (``rec``, see
+    ``nonans_scalar_step``): it then does when the optimizer said this group is the step's only producer of
+    counts (``ctx["record_in_kernel"]``), nothing has been recorded yet and the native record covers the
+    counters, and there is no dense count block (``dense`` None); otherwise ``rec`` is None."""
     res = ctx["resolution"]
     if res is None:
-        return dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0)
-    t = res.tensors
-    return dict(ema=t["grad_norm_ema"].data_ptr(), sel=ctx["device_indices"](indices, t["scale"].device).data_ptr(),
-                scale=t["scale"].data_ptr(), streak=t["clean_streak"].data_ptr(), events=t["events"].data_ptr(),
-                dense=dense_counts(ctx, t["scale"].device).data_ptr() if dense else None,
-                window=res.repeat_window, factor=ctx["spike_factor"] or 0.0)
-
-
-def _record_here(ctx: dict[str, Any]) -> tuple | None:
-    """The packed counters when this native call may fold the step's counts itself (see
-    ``nonans_scalar_step``'s ``rec``): the optimizer said this group is the step's only producer of counts
-    (``ctx["record_in_kernel"]``), nothing has been recorded yet, and the native record covers the counters."""
-    res = ctx["resolution"]
-    if res is None or not ctx.get("record_in_kernel") or ctx["counts"] or ctx["dense"] is not None:
-        return None
-    return res.native_record_pack()
+        return _OFF
+    a = res.native_args(indices)
+    rec = a.pack if (record and a.pack is not None and ctx.get("record_in_kernel") and not ctx["counts"]
+                     and ctx["dense"] is None) else None
+    dense = None if rec is not None else dense_counts(ctx, res.tensors["scale"].device)
+    return dict(ema=a.ema, sel=a.sel, scale=a.scale, streak=a.streak, events=a.events,
+                dense=None if dense is None else dense.data_ptr(), window=res.repeat_window,
+                factor=ctx["spike_factor"] or 0.0, rec=rec, written=a.written if dense is None else [a.written[0], dense])
 
 
 def auto_choice(device: torch.device | str) -> str:
@@ -121,18 +123,17 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     # fp32 exactly as the other implementations round them: host doubles, rounded once.
     hp = (ctypes.c_float * 7)(1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef)
     numel = Int64Array([p.numel() for p in params])
-    rec = _record_here(ctx)
-    r = resolution_pointers(ctx, indices, dense=rec is None)
-    res = ctx["resolution"]
+    r = resolution_pointers(ctx, indices, record=True)
+    rec, res = r["rec"], ctx["resolution"]
     rc = lib.nonans_scalar_step(
         len(params), p_ptr, g_ptr, nulls if sf else second, v_ptr, second if sf else nulls, step_ptr,
         numel, gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
         int(sf), int(sf and group["weight_decay"] != 0), r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"],
         r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads(),
-        None if rec is None else rec[0], res.backoff if rec else 0.0, res.min_scale if rec else 0.0, ctx["step"])
+        rec, res.backoff if rec is not None else 0.0, res.min_scale if rec is not None else 0.0, ctx["step"])
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")
-    mark_written(params, seconds, vs, steps, resolution_written(ctx), list(rec[1]) if rec else [])
+    mark_written(params, seconds, vs, steps, r["written"])
     if rec is not None:
         ctx["recorded"] = True  # the base's record_step must not fold this step a second time
     return True
