@@ -38,7 +38,7 @@ import torch
 import nonans_optim as no
 from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
-from experiments.overhead_controls import BUILDS, QUICK_BUILDS, build_optimizer, controls, spread, switched
+from experiments.overhead_controls import build_optimizer, fresh_controls, spread, switched
 from experiments.overhead_controls import render as render_controls
 from experiments.questions_io import publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
@@ -182,12 +182,9 @@ def _size_sweep(args, device) -> list[dict[str, Any]]:
     return rows
 
 
-def _controls(base, grads, args, device) -> list[dict[str, Any]]:
-    """overhead_controls.controls() on CPU, where the 2% target applies (none on a GPU)."""
-    if device.type != "cpu":
-        return []
-    return controls(base, grads, OPTIMIZERS, args, device, lambda step: _inner(args, _timed(step, device)),
-                    builds=QUICK_BUILDS if args.quick else BUILDS)
+def _controls(args, device) -> list[dict[str, Any]]:
+    """overhead_controls.fresh_controls() on CPU, where the 2% target applies (none on a GPU)."""
+    return fresh_controls(args) if device.type == "cpu" else []
 
 
 def run(args) -> dict[str, Any]:
@@ -201,7 +198,7 @@ def run(args) -> dict[str, Any]:
     grads = synthetic_grads(base)
     batch = random_batch(cfg, args.batch, device=device)
     t0 = time.perf_counter()
-    ctrl_first = _controls(base, grads, args, device)  # before any other arm has run in this process
+    ctrl = _controls(args, device)  # in fresh processes of their own
     step_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items()
                  for p, arm in _step_arms(base, grads, make).items()}
     step_times, step_inner = _interleave_pairs(step_arms, args, device)
@@ -210,7 +207,6 @@ def run(args) -> dict[str, Any]:
                   for p, arm in _train_arms(base, batch, make).items()}
     train_times, train_inner = _interleave_pairs(train_arms, args, device)
     sweep = _size_sweep(args, device)
-    ctrl = _controls(base, grads, args, device)
     machine["loadavg_end"] = list(os.getloadavg())
     rows = []
     for name in OPTIMIZERS:
@@ -232,7 +228,7 @@ def run(args) -> dict[str, Any]:
             "auto_runs": auto_choice(device),  # which rows the default, impl="auto", runs here
             "default_rows": default_rows(auto_choice(device)),
             "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
-            "controls": ctrl, "controls_first": ctrl_first,
+            "controls": ctrl,
             "raw_ms": {"step": {k: [1e3 * x for x in v] for k, v in step_times.items()},
                        "train_step": {k: [1e3 * x for x in v] for k, v in train_times.items()}}}
 
@@ -333,8 +329,7 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"| {r['entries']:,} | {r['state_mib']:.1f} | {r['off_ms']:.3f} | {aa} | "
                          f"{r['repair_paired_ratio']:.3f} | {r['repair_guard_paired_ratio']:.3f} |")
     if data.get("controls"):
-        lines += render_controls(data["controls"], data["targets"]["cpu_step_ratio_max"], 2 * s["rounds"],
-                                 first=data.get("controls_first"))
+        lines += render_controls(data["controls"], data["targets"]["cpu_step_ratio_max"], 2 * s["rounds"])
     return "\n".join(lines)
 
 

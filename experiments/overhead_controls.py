@@ -20,29 +20,38 @@ Issue 3's CPU target is 2%, so the size of that effect decides whether a row's v
   its own addresses: the median over builds is the estimate, and the lowest and highest build show how far
   placement alone moves it (a process gets one placement; which one is luck).
 
-* **first and last** — the experiment runs the controls twice in its one process: before any other arm, and
-  again after the table, the training steps and the size sweep. Scratch runs (session note, 2026-11-24)
-  found the same-tensor ratio of a late run far from an early one's, in either direction, while the early
-  one agreed with a fresh process's: what ran before moves it, not only the code.
+* **fresh processes** — each row runs in :data:`PROCESSES` processes of its own (``python -m
+  experiments.overhead_controls --row NAME``), started from nothing: a process that had run anything
+  before moved the same-tensor ratio in either direction (session notes, 2026-11-24: −26% to +26% after
+  the table; and when the controls ran first in the experiment's process, SFAdamW's read 0.78 after
+  AdamW's builds, where a fresh process reads 1.02–1.03). A training process has one optimizer; so
+  does each of these. Which placement a process gets is luck, so several processes, each with several
+  builds, and the median over all of those builds is the estimate.
 
 Both run for the AdamW family's default rows, whose cost is the smallest and the hardest to measure.
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import statistics
+import subprocess
+import sys
 from typing import Any, Callable
 
 import torch
 
-from experiments.step_time import interleaved
+from experiments.step_time import ROOT, interleaved
 
-__all__ = ["BUILDS", "CONTROLLED", "QUICK_BUILDS", "build_optimizer", "controls", "spread", "switched", "render"]
+__all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer", "controls",
+           "fresh_controls", "spread", "switched", "render"]
 
 CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)")
 # independent builds per control (quick runs: 2): a placement is a property of one build, so one build
 # cannot say how much of its ratio is the code and how much where its tensors happen to sit
-BUILDS, QUICK_BUILDS = 6, 2
+BUILDS, QUICK_BUILDS = 4, 2
+PROCESSES, QUICK_PROCESSES = 3, 1  # fresh processes per row
 
 
 def spread(num: list[float], den: list[float]) -> dict[str, float]:
@@ -80,13 +89,13 @@ def _over_builds(per_build: list[dict[str, float]]) -> dict[str, float]:
 
 def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[str, Callable], args,
              device: torch.device, inner_for: Callable[[Callable[[], None]], int],
-             builds: int = BUILDS) -> list[dict[str, Any]]:
+             builds: int = BUILDS, names: tuple[str, ...] = CONTROLLED) -> list[dict[str, Any]]:
     """The A/A and same-tensor paired ratios of each :data:`CONTROLLED` row over ``builds`` independent
     builds (2 × ``args.rounds`` rounds each, ``inner_for(step)`` steps per sample, as the main table chooses
     them). Every build is kept alive until the row is done, so each holds its own addresses: a build freed
     before the next one is made would hand it the same memory, and all would share one placement."""
     rows = []
-    for name in CONTROLLED:
+    for name in names:
         make = optimizers[name]
         offs = [build_optimizer(base, grads, make, "off") for _ in range(2 * builds)]
         ones = [build_optimizer(base, grads, make, "repair") for _ in range(builds)]
@@ -114,37 +123,91 @@ def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[
     return rows
 
 
-def render(rows: list[dict[str, Any]], limit: float, rounds: int,
-           first: list[dict[str, Any]] | None = None) -> list[str]:
-    """Markdown lines: the controls' table and the same-tensor verdict against ``limit`` (e.g. 1.02).
-    ``rows``: the controls as run at the end of the experiment; ``first``: the same, run at its start."""
-    builds = rows[0].get("builds", 1)
-    if builds > 1:
-        fmt = lambda s: f"{s['median']:.3f} ({s['low']:.3f}–{s['high']:.3f})"  # noqa: E731
-        how = (f"Median over {builds} independent builds (each kept alive, so each has its own addresses) of "
-               f"each build's paired median over {rounds} rounds; in brackets the lowest and the highest build.")
-    else:  # JSON written before the controls ran several builds
-        fmt = lambda s: f"{s['median']:.3f} ({s['q1']:.3f}–{s['q3']:.3f})"  # noqa: E731
-        how = f"Paired median (quartiles) over {rounds} rounds."
-    runs = ([("first, before any other arm", first)] if first else []) + \
-           [("last, after every other arm" if first else "last", rows)]
+def fresh_controls(args, names: tuple[str, ...] = CONTROLLED, processes: int | None = None,
+                   builds: int | None = None) -> list[dict[str, Any]]:
+    """:func:`controls` for each row in ``processes`` fresh processes of its own (the module's command line),
+    combined: every process's builds together give the estimate (median, lowest and highest build), and
+    ``per_process`` keeps each process's own. ``args``: the overhead experiment's (rounds, warm-up, sample
+    length, threads, quick)."""
+    processes = processes or (QUICK_PROCESSES if args.quick else PROCESSES)
+    builds = builds or (QUICK_BUILDS if args.quick else BUILDS)
+    rows = []
+    for name in names:
+        runs = []
+        for _ in range(processes):
+            cmd = [sys.executable, "-m", "experiments.overhead_controls", "--row", name, "--builds", str(builds),
+                   "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--inner", str(args.inner),
+                   "--sample-ms", str(args.sample_ms), "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+            runs.append(json.loads(proc.stdout))
+        per_build = [b for r in runs for b in r["per_build"]]
+        rows.append({"optimizer": name, "inner": [r["inner"] for r in runs], "builds": builds,
+                     "processes": processes,
+                     "aa": _over_builds([b["aa"] for b in per_build]),
+                     "same_tensors": _over_builds([b["same_tensors"] for b in per_build]),
+                     "per_process": [{"aa": r["aa"], "same_tensors": r["same_tensors"]} for r in runs],
+                     "per_build": per_build,
+                     "raw_ms": {k: [t for r in runs for t in r["raw_ms"][k]] for k in runs[0]["raw_ms"]}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One row's controls in this (fresh) process, as JSON on stdout: what :func:`fresh_controls` runs."""
+    from experiments._models import DEFAULT, QUICK, build_gpt, synthetic_grads
+    from experiments.overhead import OPTIMIZERS, _inner, _timed
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.overhead_controls", description=main.__doc__)
+    ap.add_argument("--row", required=True, choices=list(OPTIMIZERS))
+    ap.add_argument("--builds", type=int, default=BUILDS)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--inner", type=int, default=1)
+    ap.add_argument("--sample-ms", type=float, default=25.0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="the experiment's tiny model")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    base = build_gpt(QUICK if args.quick else DEFAULT)
+    grads = synthetic_grads(base)
+    row, = controls(base, grads, {args.row: OPTIMIZERS[args.row]}, args, device,
+                    lambda step: _inner(args, _timed(step, device)), builds=args.builds, names=(args.row,))
+    print(json.dumps(row))
+    return 0
+
+
+def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
+    """Markdown lines: the controls' table (one line per fresh process, then all of a row's builds) and the
+    same-tensor verdict against ``limit`` (e.g. 1.02), judged on the median over all builds."""
+    r0 = rows[0]
+    processes, builds = r0["processes"], r0["builds"]
+    fmt = lambda s: f"{s['median']:.3f} ({s['low']:.3f}–{s['high']:.3f})"  # noqa: E731
     lines = ["", "**Controls: can this machine resolve 2%?** (`experiments/overhead_controls.py`) A/A: the "
              "row built twice with `resolution=\"off\"`, paired as the table paired repair with off until "
              "2026-11-24 — identical code, so its distance from 1.000 is that design's error on this machine "
              "(our reading, not measured: the separately built arms' memory placement). Same tensors: one "
-             "optimizer whose "
-             "policy is switched between \"repair\" and \"off\" between samples, so both arms step the very "
-             f"same tensors. {how}" + (" The controls run twice in the one process: first, then again after "
-                                       "the table, the training steps and the sweep." if first else ""), "",
-             "| row | run | A/A: off / off, separately built | repair / off, same tensors |", "|---|---|---|---|"]
-    lines += [f"| {r['optimizer']} | {when.split(',')[0]} | {fmt(r['aa'])} | {fmt(r['same_tensors'])} |"
-              for when, rs in runs for r in rs]
-
-    def verdict(rs: list[dict[str, Any]]) -> str:
-        return "; ".join(f"{r['optimizer']} {100 * (r['same_tensors']['median'] - 1):+.1f}% "
-                         f"{'met' if r['same_tensors']['median'] <= limit else 'MISSED'}" for r in rs)
-
-    lines.append("\nSame-tensor check of the target, over builds (the first run is the one that nothing else "
-                 "has run before in its process): "
-                 + "; ".join(f"{when}: {verdict(rs)}" if first else verdict(rs) for when, rs in runs) + ".")
+             "optimizer whose policy is switched between \"repair\" and \"off\" between samples, so both arms "
+             f"step the very same tensors. Each row runs in {processes} fresh process(es) of its own "
+             "(`python -m experiments.overhead_controls --row ROW`; a process that had run other arms before "
+             f"moved the ratio by several percent either way), each with {builds} independent builds kept alive "
+             f"(each has its own addresses); a build's value is its paired median over {rounds} rounds. Per "
+             "process: the median of its builds (lowest–highest build); all: the median over every build of "
+             "every process (lowest–highest).", "",
+             "| row | process | A/A: off / off, separately built | repair / off, same tensors |", "|---|---|---|---|"]
+    for r in rows:
+        lines += [f"| {r['optimizer']} | {i + 1} | {fmt(p['aa'])} | {fmt(p['same_tensors'])} |"
+                  for i, p in enumerate(r["per_process"])]
+        lines.append(f"| {r['optimizer']} | all ({len(r['per_build'])} builds) | {fmt(r['aa'])} | "
+                     f"**{fmt(r['same_tensors'])}** |")
+    verdict = "; ".join(f"{r['optimizer']} {100 * (r['same_tensors']['median'] - 1):+.1f}% "
+                        f"{'met' if r['same_tensors']['median'] <= limit else 'MISSED'}" for r in rows)
+    lines.append(f"\nSame-tensor check of the target (median over all builds of fresh processes; for these rows "
+                 f"this, not the table above, whose arms share one process with 27 others, is the estimate): "
+                 f"{verdict}.")
     return lines
+
+if __name__ == "__main__":
+    sys.exit(main())

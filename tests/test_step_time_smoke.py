@@ -81,26 +81,27 @@ def test_overhead_quick(tmp_path):
     assert data["default_rows"] == {f"{c} ({data['auto_runs']})": (None if c in ("AdamW", "SFAdamW") else 10.0)
                                     for c in ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")}
     assert "**Each optimizer as constructed by default**" in section
-    # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
-    # run twice in the one process: first, before any other arm, and last, after all of them
+    # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults,
+    # each row in fresh processes of its own (quick: one process of two builds)
     assert [c["optimizer"] for c in data["controls"]] == ["AdamW (fused)", "SFAdamW (fused)"]
-    assert [c["optimizer"] for c in data["controls_first"]] == ["AdamW (fused)", "SFAdamW (fused)"]
-    for c in data["controls"] + data["controls_first"]:  # over independent builds: each build's median, then theirs
-        assert c["builds"] == 2 and len(c["per_build"]) == 2
+    assert "controls_first" not in data
+    for c in data["controls"]:  # over independent builds: each build's median, then theirs
+        assert (c["processes"], c["builds"], len(c["per_process"]), len(c["per_build"])) == (1, 2, 1, 2)
         for k in ("aa", "same_tensors"):
-            assert all(_finite_positive(c[k][q]) for q in ("median", "low", "high"))
+            for s in (c[k], c["per_process"][0][k]):
+                assert all(_finite_positive(s[q]) for q in ("median", "low", "high"))
             meds = sorted(b[k]["median"] for b in c["per_build"])
             assert (c[k]["low"], c[k]["high"]) == (meds[0], meds[-1]) and meds[0] <= c[k]["median"] <= meds[-1]
             assert all(b[k]["q1"] <= b[k]["median"] <= b[k]["q3"] for b in c["per_build"])
         assert {len(v) for v in c["raw_ms"].values()} == {2}  # a list per build
         assert {len(t) for v in c["raw_ms"].values() for t in v} == {4}  # 2 x rounds, every arm
     assert "A/A: off / off, separately built" in section and "Same-tensor check of the target" in section
-    assert "Median over 2 independent builds" in section
+    assert "1 fresh process(es) of its own" in section and "each with 2 independent builds" in section
     # each row's two arms step one optimizer (the same tensors), and the rendered text says so
     assert data["settings"]["design"] == "same tensors" and "**Design (changed 2026-11-24):**" in section
-    assert "| AdamW (fused) | first |" in section and "| SFAdamW (fused) | last |" in section
+    assert "| AdamW (fused) | 1 |" in section and "| SFAdamW (fused) | all (2 builds) |" in section
     verdicts = section.split("Same-tensor check of the target")[1]
-    assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d% (?:met|MISSED)", verdicts)) == 4  # 2 rows x 2 runs
+    assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d% (?:met|MISSED)", verdicts)) == 2  # one verdict per row
     assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
 
 
