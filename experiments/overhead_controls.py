@@ -209,5 +209,6 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
                  f"{verdict}.")
     return lines
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -198,7 +198,8 @@ static inline __attribute__((always_inline)) void vec_loop_(
 /* The magnitude bound of early_bad_ for one tensor's block: the largest L such that, when |g|, |p| and |z|
  * (AdamW: |m|) are at most L and the new v is finite and not negative, every value the stock arithmetic
  * computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias
- * correction of 0), and then the loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
+ * correction of 0, which validated betas never give but which would divide by zero too), and then the
+ * loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
  * and lerpk = 1 + 2·max(|w|, |1-w|) for a lerp of weight w (either of lerpf_'s forms, both operands at most
  * M in magnitude, stays within lerpk·M):
  *
@@ -211,7 +212,7 @@ static inline __attribute__((always_inline)) void vec_loop_(
  * L is FLT_MAX / 8 over the largest of these factors: eight, not one, covers the few roundings (each at most
  * a factor 1 + 2⁻²⁴) between a bound and the value. Computed in double, once per block. */
 static inline float clean_limit_(const int sf, const int decay_z, float s, float lr, float wdf, float lrc,
-                                 float bc1, const hyper_t h) {
+                                 float bc1, float bc2, const hyper_t h) {
     const double w = sf ? h.c : h.one_m_b1, lerpk = 1.0 + 2.0 * fmax(fabs(w), fabs(1.0 - w));
     const double S = fmax(1.0, fabs((double)s)), eps = h.eps;
     double k;
@@ -222,7 +223,7 @@ static inline float clean_limit_(const int sf, const int decay_z, float s, float
         const double mk = S * lerpk, dk = mk / (fabs((double)bc1) * eps);
         k = fmax(fmax(mk / fabs((double)bc1), dk), fabs((double)wdf) + fabs((double)lr) * dk);
     }
-    if (!(eps > 0.0) || !(k < INFINITY)) return 0.0f; /* also catches a NaN k, which fmax would drop */
+    if (!(eps > 0.0) || !(bc2 > 0.0f) || !(k < INFINITY)) return 0.0f; /* !(k < Inf): a NaN k too, which fmax drops */
     return (float)(FLT_MAX / 8.0 / k);
 }
 
@@ -235,7 +236,7 @@ static inline __attribute__((always_inline)) void update_block_avx512(
     const vhyper_t k = {
         _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
         _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
-        _mm512_set1_ps(clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, h)), fabsf(h.one_m_b1) < 0.5f,
+        _mm512_set1_ps(clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h)), fabsf(h.one_m_b1) < 0.5f,
         vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0;
