@@ -81,6 +81,9 @@ def test_overhead_quick(tmp_path):
     assert data["default_rows"] == {f"{c} ({data['auto_runs']})": (None if c in ("AdamW", "SFAdamW") else 10.0)
                                     for c in ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")}
     assert "**Each optimizer as constructed by default**" in section
+    # the rows that have a control are judged on it, and say so
+    target = section.split("Target (CPU)")[1].split("\n")[0]
+    assert "AdamW (fused) (" in target and re.search(r"SFAdamW \(fused\) \([+-]\d+\.\d%, controls\)", target)
     # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults,
     # each row in fresh processes of its own (quick: one process of two builds)
     assert [c["optimizer"] for c in data["controls"]] == ["AdamW (fused)", "SFAdamW (fused)"]
