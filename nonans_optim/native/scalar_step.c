@@ -354,17 +354,24 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
             ns = ns > 1.0f ? 1.0f : ns;
         }
         const int escalated = repeated && ns < old;
-        escalations[i] += escalated;
+        if (escalated) escalations[i] += 1;
         clean_streak[i] = param_event ? 0 : streak + 1;
-        scale[i] = ns;
+        if (ns != old) scale[i] = ns;
+        /* Only what changes is written: a clean step adds zeros to counts and events and finds the free
+         * ring slot already zero (the last clean step wrote it), so it only reads them. The torch path
+         * writes them all; the values are the same, but on a memory-bound step every cache line dirtied
+         * here is one more write-back. */
+        int64_t *ring = ring_counts + (slot * P + i) * NSTAGE * 2;
         for (int s = 0; s < NSTAGE; s++) {
-            counts[(i * NSTAGE + s) * 2] += c[2 * s];
-            counts[(i * NSTAGE + s) * 2 + 1] += c[2 * s + 1];
-            events[i * NSTAGE + s] += c[2 * s] + c[2 * s + 1] > 0;
-            ring_counts[((slot * P + i) * NSTAGE + s) * 2] = c[2 * s];
-            ring_counts[((slot * P + i) * NSTAGE + s) * 2 + 1] = c[2 * s + 1];
+            if (c[2 * s] + c[2 * s + 1] > 0) {
+                counts[(i * NSTAGE + s) * 2] += c[2 * s];
+                counts[(i * NSTAGE + s) * 2 + 1] += c[2 * s + 1];
+                events[i * NSTAGE + s] += 1;
+            }
+            if (ring[2 * s] != c[2 * s]) ring[2 * s] = c[2 * s];
+            if (ring[2 * s + 1] != c[2 * s + 1]) ring[2 * s + 1] = c[2 * s + 1];
         }
-        ring_escalated[slot * P + i] = (uint8_t)escalated;
+        if (ring_escalated[slot * P + i] != (uint8_t)escalated) ring_escalated[slot * P + i] = (uint8_t)escalated;
         any |= param_event;
     }
     ring_step[slot] = step;
