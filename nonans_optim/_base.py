@@ -72,18 +72,13 @@ class NonansOptimizer(Optimizer):
     def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
                  spike_factor: float | None = None):
         _check_float("lr", defaults["lr"])
-        if spike_factor is not None:
-            _check_float("spike_factor", spike_factor, low=1.0)
-        self.spike_factor = spike_factor
+        self.spike_factor = spike_factor  # validated by the property
         _check_float("weight_decay", defaults.get("weight_decay", 0.0))
         if "eps" in defaults:
             _check_float("eps", defaults["eps"])
         if "warmup_steps" in defaults:
             defaults["warmup_steps"] = _check_int("warmup_steps", defaults["warmup_steps"])
-        check_policy(resolution)
-        if impl not in self._impls:
-            raise ValueError(f"impl must be one of {self._impls} for {type(self).__name__}, got {impl!r}")
-        self.resolution_policy, self.impl = resolution, impl
+        self.resolution_policy, self.impl = resolution, impl  # validated by the properties
         super().__init__(params, defaults)
         seen: set[int] = set()
         for group in self.param_groups:
@@ -128,17 +123,52 @@ class NonansOptimizer(Optimizer):
             self.state["nonans"] = st
         return st
 
+    # resolution_policy, impl and spike_factor are read at every step(), so they may be changed between
+    # steps; each is checked when set, not deep inside the next step.
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in self._impls:
+            raise ValueError(f"impl must be one of {self._impls} for {type(self).__name__}, got {value!r}")
+        self._impl = value
+
+    @property
+    def spike_factor(self) -> float | None:
+        return self._spike_factor
+
+    @spike_factor.setter
+    def spike_factor(self, value: float | None) -> None:
+        if value is not None:
+            _check_float("spike_factor", value, low=1.0)
+        self._spike_factor = value
+
+    @property
+    def resolution_policy(self) -> str:
+        """"repair", "skip" or "off": read at every ``step()``, so it may be changed between steps."""
+        return self._policy
+
+    @resolution_policy.setter
+    def resolution_policy(self, value: str) -> None:
+        self._policy = check_policy(value)
+
     def _get_resolution(self) -> Resolution:
+        """The counters, created (or resized, after ``add_param_group``, or restored after a load) on first
+        use; ``load_state_dict`` and ``add_param_group`` drop them, so a step finds them already made."""
+        res = self._resolution
         P = self._num_params()
-        st = self._global()
-        if self._resolution is None or self._resolution.num_params != P:
-            res = Resolution(self.resolution_policy, P, self._first_param().device)
+        if res is None or res.num_params != P:
+            st = self._global()
+            res = Resolution(self._policy, P, self._first_param().device)
             saved = st.get("resolution")
             if saved is not None and saved["scale"].shape[0] == P:
                 res.load_state_dict(saved)
             self._resolution = res
-        st["resolution"] = self._resolution.tensors
-        return self._resolution
+            st["resolution"] = res.tensors  # the same dict from now on: record_step updates it in place
+        res.policy = self._policy  # a policy changed between steps applies to this one
+        return res
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -129,6 +129,33 @@ def test_skip_leaves_affected_tensor_untouched(info):
     assert opt.events[0].action == "skipped"
 
 
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_policy_changed_between_steps_applies(info):
+    """``resolution_policy`` is read at every step: a run that starts under "repair" and switches to "skip"
+    skips (the affected tensor untouched, the event labelled so), and a bad value is refused on assignment,
+    before any step can trip over it."""
+    model = make_model()
+    opt = info.make(model.named_parameters())
+    train_steps(model, opt, 3)  # under "repair": the counters exist from here on
+    opt.resolution_policy = "skip"
+    target = model.fc1.weight
+    opt.zero_grad()
+    loss_fn(model, make_batch(50)).backward()
+    target.grad[0, 0] = float("nan")
+    p_before = target.detach().clone()
+    opt.step()
+    assert torch.equal(target, p_before)
+    assert [e.action for e in opt.events] == ["skipped"]
+    settings = (opt.resolution_policy, opt.impl, opt.spike_factor)
+    with pytest.raises(ValueError, match="resolution must be one of"):
+        opt.resolution_policy = "ignore"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        opt.impl = "cuda"
+    with pytest.raises(ValueError, match="spike_factor"):
+        opt.spike_factor = 0.5
+    assert settings[0] == "skip" and (opt.resolution_policy, opt.impl, opt.spike_factor) == settings  # unchanged
+
+
 @pytest.mark.parametrize("info, impl", EAGER_CASES, ids=impl_ids(EAGER_CASES))
 def test_clean_steps_identical_to_off(info, impl):
     models = [make_model() for _ in range(2)]
