@@ -167,7 +167,11 @@ class NonansOptimizer(Optimizer):
                 res.load_state_dict(saved)
             self._resolution = res
             st["resolution"] = res.tensors  # the same dict from now on: record_step updates it in place
-        res.policy = self._policy  # a policy changed between steps applies to this one
+            res.policy_history = st.setdefault("resolution_policies", [])  # likewise, for set_policy
+            if not res.policy_history:
+                res.set_policy(self._policy, st["step"])
+        if res.policy != self._policy:  # changed between steps: applies to this one, and labels its events
+            res.set_policy(self._policy, self._global()["step"])
         return res
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -148,6 +148,9 @@ class Resolution:
                  backoff: float = 0.5, growth_interval: int = 100, repeat_window: int = 10,
                  min_scale: float = 2.0 ** -10):
         self.policy = check_policy(policy)
+        # [first step, policy] each time the policy changed (the optimizer keeps this list in its state, so
+        # it survives a checkpoint): an event is labelled with the action of the policy in force at its step
+        self.policy_history: list[list] = []
         self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
         self.repeat_window = repeat_window
         self._native_cache: dict = {}  # native.record_step's checked pointers
@@ -253,6 +256,21 @@ class Resolution:
                                    min_scale=self.min_scale, growth_interval=self.growth_interval,
                                    repeat_window=self.repeat_window, cache=self._native_cache)
 
+    def set_policy(self, policy: str, step: int) -> None:
+        """The policy from ``step`` on (host state only; the optimizer calls it when its policy changed)."""
+        self.policy = check_policy(policy)
+        if not self.policy_history or self.policy_history[-1][1] != policy:
+            self.policy_history.append([int(step), policy])
+
+    def policy_at(self, step: int) -> str:
+        """The policy in force at ``step`` (the earliest recorded one before the history starts)."""
+        current = self.policy_history[0][1] if self.policy_history else self.policy
+        for first, policy in self.policy_history:
+            if first > step:
+                break
+            current = policy
+        return current
+
     # ----- host side: only called from metrics()/events, never from step() -----
     def materialise(self, names: list[str | int], numels: list[int]) -> list[SingularityEvent]:
         t = {k: v.cpu() for k, v in self.tensors.items() if k.startswith("ring")}
@@ -266,7 +284,8 @@ class Resolution:
                 nan, inf = counts[p_idx, s_idx].tolist()
                 out.append(SingularityEvent(
                     step=int(t["ring_step"][slot]), param=names[p_idx], stage=STAGES[s_idx],
-                    nan_count=nan, inf_count=inf, numel=numels[p_idx], action=ACTIONS[self.policy],
+                    nan_count=nan, inf_count=inf, numel=numels[p_idx],
+                    action=ACTIONS[self.policy_at(int(t["ring_step"][slot]))],
                     escalated=bool(t["ring_escalated"][slot, p_idx])))
         return out
 

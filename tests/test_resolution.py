@@ -146,6 +146,18 @@ def test_policy_changed_between_steps_applies(info):
     opt.step()
     assert torch.equal(target, p_before)
     assert [e.action for e in opt.events] == ["skipped"]
+    # back to "repair": the next event is repaired, and each keeps the label of its own step's policy,
+    # across a checkpoint too
+    opt.resolution_policy = "repair"
+    opt.zero_grad()
+    loss_fn(model, make_batch(51)).backward()
+    target.grad[0, 1] = float("inf")
+    opt.step()
+    assert not torch.equal(target, p_before)
+    fresh = info.make(make_model().named_parameters())
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for o in (opt, fresh):
+        assert [(e.step, e.action) for e in o.events] == [(4, "skipped"), (5, "repaired")]
     settings = (opt.resolution_policy, opt.impl, opt.spike_factor)
     with pytest.raises(ValueError, match="resolution must be one of"):
         opt.resolution_policy = "ignore"
@@ -153,7 +165,7 @@ def test_policy_changed_between_steps_applies(info):
         opt.impl = "cuda"
     with pytest.raises(ValueError, match="spike_factor"):
         opt.spike_factor = 0.5
-    assert settings[0] == "skip" and (opt.resolution_policy, opt.impl, opt.spike_factor) == settings  # unchanged
+    assert settings[0] == "repair" and (opt.resolution_policy, opt.impl, opt.spike_factor) == settings  # unchanged
 
 
 @pytest.mark.parametrize("info, impl", EAGER_CASES, ids=impl_ids(EAGER_CASES))
