@@ -154,9 +154,11 @@ class NonansOptimizer(Optimizer):
     def resolution_policy(self, value: str) -> None:
         self._policy = check_policy(value)
 
-    def _get_resolution(self) -> Resolution:
+    def _get_resolution(self, step: int | None = None) -> Resolution:
         """The counters, created (or resized, after ``add_param_group``, or restored after a load) on first
-        use; ``load_state_dict`` and ``add_param_group`` drop them, so a step finds them already made."""
+        use; ``load_state_dict`` and ``add_param_group`` drop them, so a step finds them already made.
+        ``step``: called from that step, which runs under the current policy (``metrics()`` and ``events``
+        read between steps, where a policy just set has not applied to anything yet)."""
         res = self._resolution
         P = self._num_params()
         if res is None or res.num_params != P:
@@ -169,9 +171,9 @@ class NonansOptimizer(Optimizer):
             st["resolution"] = res.tensors  # the same dict from now on: record_step updates it in place
             res.policy_history = st.setdefault("resolution_policies", [])  # likewise, for set_policy
             if not res.policy_history:
-                res.set_policy(self._policy, st["step"])
-        if res.policy != self._policy:  # changed between steps: applies to this one, and labels its events
-            res.set_policy(self._policy, self._global()["step"])
+                res.set_policy(self._policy, st["step"] if step is None else step)
+        if step is not None and res.policy != self._policy:  # changed since the last step: applies from this one
+            res.set_policy(self._policy, step)
         return res
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -294,7 +296,7 @@ class NonansOptimizer(Optimizer):
             self.set_loss(loss)
         st = self._global()
         st["step"] += 1
-        res = self._get_resolution() if self.resolution_policy != "off" else None
+        res = self._get_resolution(st["step"]) if self._policy != "off" else None
         ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
                "guard_in_kernel": False,

@@ -149,6 +149,7 @@ def test_policy_changed_between_steps_applies(info):
     # back to "repair": the next event is repaired, and each keeps the label of its own step's policy,
     # across a checkpoint too
     opt.resolution_policy = "repair"
+    assert [e.action for e in opt.events] == ["skipped"]  # read before any step ran under the new policy
     opt.zero_grad()
     loss_fn(model, make_batch(51)).backward()
     target.grad[0, 1] = float("inf")
