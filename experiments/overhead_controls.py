@@ -1,15 +1,14 @@
-"""Controls for ``python -m experiments overhead``: can this machine resolve a 2% overhead at all?
+"""Controls for ``python -m experiments overhead``: can this machine resolve a 2% overhead at all, and what
+does "repair" cost the AdamW family's defaults, whose cost is the smallest and the hardest to measure?
 
-The main table pairs a "repair" optimizer with an "off" optimizer, each built on its own deep copy of the
-model. Two arms built that way differ in more than the policy: their tensors sit at different addresses.
-On a memory-bound step the relative placement of p, g, m and v (cache-set and 4K-aliasing conflicts
-between the streams) plausibly changes the time systematically — a scratch A/A run of two identical
-SFAdamW "off" optimizers paired 1.06 and a third 0.96 over 60 rounds, more than rounds average away.
-Issue 3's CPU target is 2%, so the size of that effect decides whether a row's verdict means anything:
+Until 2026-11-24 the main table paired a "repair" optimizer with an "off" optimizer, each built on its own
+deep copy of the model. Two arms built that way differ in more than the policy: their tensors sit at
+different addresses, and on a memory-bound step the relative placement of p, g, m and v (cache-set and
+4K-aliasing conflicts between the streams) plausibly changes the time — a scratch A/A run of two identical
+SFAdamW "off" optimizers paired 1.06 and a third 0.96 over 60 rounds. Issue 3's CPU target is 2%, so:
 
-* **A/A** — the same row built twice with ``resolution="off"`` and paired exactly as the table pairs
-  repair with off. Its paired ratio should be 1; how far it is from 1, and its quartiles, are the
-  resolution of the table's method on this machine.
+* **A/A** — the same row built twice with ``resolution="off"`` and paired as that design paired repair
+  with off. Its paired ratio should be 1; how far it is from 1 is that design's error on this machine.
 * **same tensors** — one optimizer, built with ``resolution="repair"``, whose policy is switched to "off"
   and back between samples (``resolution_policy`` is read at every ``step()``; the Resolution state is
   kept and "off" does not touch it). Both arms step the very same tensors, so placement cannot differ
@@ -19,16 +18,14 @@ Issue 3's CPU target is 2%, so the size of that effect decides whether a row's v
 * **over builds** — both controls run on :data:`BUILDS` independent builds, all alive at once, so each has
   its own addresses: the median over builds is the estimate, and the lowest and highest build show how far
   placement alone moves it (a process gets one placement; which one is luck).
-
 * **fresh processes** — each row runs in :data:`PROCESSES` processes of its own (``python -m
   experiments.overhead_controls --row NAME``), started from nothing: a process that had run anything
   before moved the same-tensor ratio in either direction (session notes, 2026-11-24: −26% to +26% after
   the table; and when the controls ran first in the experiment's process, SFAdamW's read 0.78 after
   AdamW's builds, where a fresh process reads 1.02–1.03). A training process has one optimizer; so
   does each of these. Which placement a process gets is luck, so several processes, each with several
-  builds, and the median over all of those builds is the estimate.
-
-Both run for the AdamW family's default rows, whose cost is the smallest and the hardest to measure.
+  builds, and the median over all of those builds is the estimate (the overhead verdict uses it for
+  these rows).
 """
 from __future__ import annotations
 
