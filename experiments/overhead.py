@@ -368,8 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def section(data: dict[str, Any]) -> str:
+    """The RESULTS.md section a run's JSON belongs in: a GPU run has its own, so the CPU table stays."""
+    return "overhead-gpu" if data.get("device", "cpu") != "cpu" else "overhead"
+
+
 def _publish(data: dict[str, Any], out: Path, results_md: str) -> None:
     """The JSON to ``out`` and the table into RESULTS.md's CPU or GPU section (a run, or --render-only)."""
-    gpu = data["device"] != "cpu"
+    gpu = section(data) == "overhead-gpu"
     title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + " (issue 3)"
-    publish(data, out, render(data), results_md, "overhead-gpu" if gpu else "overhead", title)
+    publish(data, out, render(data), results_md, section(data), title)

@@ -57,7 +57,8 @@ def _renderable(section: str, data: dict[str, Any] | None) -> bool:
     if section == "kernels":
         return not data.get("dry_run", True)  # a dry run's timings mean nothing
     if section in ("overhead", "overhead-gpu"):
-        return (data.get("device", "cpu") != "cpu") == (section == "overhead-gpu")
+        from experiments.overhead import section as overhead_section
+        return overhead_section(data) == section
     return True
 
 
