@@ -20,6 +20,7 @@ the device-side bookkeeping object an optimizer owns. No function here calls ``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -118,10 +119,9 @@ class NativeArgs:
     __slots__ = ("generation", "indices", "sel_tensor", "ema", "sel", "scale", "streak", "events", "pack",
                  "written")
 
-    def __init__(self, res: "Resolution", indices: list[int]):
+    def __init__(self, res: "Resolution", indices: list[int], sel: torch.Tensor):
         t = res.tensors
-        self.generation, self.indices = res.generation, indices
-        self.sel_tensor = torch.tensor(indices, dtype=torch.int64, device=t["scale"].device)
+        self.generation, self.indices, self.sel_tensor = res.generation, indices, sel
         self.ema, self.sel, self.scale = t["grad_norm_ema"].data_ptr(), self.sel_tensor.data_ptr(), t["scale"].data_ptr()
         self.streak, self.events = t["clean_streak"].data_ptr(), t["events"].data_ptr()
         packed = res.native_record_pack()
@@ -237,9 +237,11 @@ class Resolution:
         return native.record_pack(self.tensors, growth_interval=self.growth_interval,
                                   repeat_window=self.repeat_window, cache=self._native_cache)
 
-    def native_args(self, indices: list[int]) -> "NativeArgs":
+    def native_args(self, indices: list[int],
+                    device_indices: Callable[[list[int], torch.device], torch.Tensor]) -> "NativeArgs":
         """The data pointers a native step passes for the parameters at global ``indices`` (CPU counters:
-        the caller checked), built once per index list and counter generation. Rebuilding them each step —
+        the caller checked), built once per index list and counter generation; ``device_indices``: the
+        optimizer's cache of int64 index tensors, asked only when the bundle is (re)built. Rebuilding them each step —
         an index tensor looked up, five pointers read, the record pack checked — cost about 6 us of a
         step's Python glue, which on a cache-resident model is most of what "repair" costs over "off"
         (RESULTS.md, "overhead", by tensor size)."""
@@ -247,7 +249,8 @@ class Resolution:
         hit = self._native_args.get(key)
         if hit is not None and hit.generation == self.generation and hit.indices == indices:
             return hit
-        args = self._native_args[key] = NativeArgs(self, list(indices))
+        sel = device_indices(indices, self.tensors["scale"].device)
+        args = self._native_args[key] = NativeArgs(self, list(indices), sel)
         return args
 
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step

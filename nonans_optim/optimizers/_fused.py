@@ -31,7 +31,7 @@ import torch
 from .. import native
 from ..native import Int64Array
 from ..functional.spike import SPIKE_BETA
-from ._common import dense_counts, mark_written
+from ._common import dense_counts, mark_written, resolution_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
@@ -65,13 +65,13 @@ def resolution_pointers(ctx: dict[str, Any], indices: list[int], *, record: bool
     res = ctx["resolution"]
     if res is None:
         return _OFF
-    a = res.native_args(indices)
+    a = res.native_args(indices, ctx["device_indices"])
     rec = a.pack if (record and a.pack is not None and ctx.get("record_in_kernel") and not ctx["counts"]
                      and ctx["dense"] is None) else None
-    dense = None if rec is not None else dense_counts(ctx, res.tensors["scale"].device)
-    return dict(ema=a.ema, sel=a.sel, scale=a.scale, streak=a.streak, events=a.events,
-                dense=None if dense is None else dense.data_ptr(), window=res.repeat_window,
-                factor=ctx["spike_factor"] or 0.0, rec=rec, written=a.written if dense is None else [a.written[0], dense])
+    dense = None if rec is not None else dense_counts(ctx, res.tensors["scale"].device).data_ptr()
+    return dict(ema=a.ema, sel=a.sel, scale=a.scale, streak=a.streak, events=a.events, dense=dense,
+                window=res.repeat_window, factor=ctx["spike_factor"] or 0.0, rec=rec,
+                written=a.written if rec is not None else resolution_written(ctx))
 
 
 def auto_choice(device: torch.device | str) -> str:
