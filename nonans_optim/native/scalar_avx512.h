@@ -236,7 +236,8 @@ static inline __attribute__((always_inline)) void update_block_avx512(
     const vhyper_t k = {
         _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
         _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
-        _mm512_set1_ps(clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h)), fabsf(h.one_m_b1) < 0.5f,
+        _mm512_set1_ps(gate ? clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f), /* "off": untested */
+        fabsf(h.one_m_b1) < 0.5f,
         vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0;
