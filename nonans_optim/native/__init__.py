@@ -8,8 +8,12 @@ passes per tensor on CPU and takes each event count as its own reduction, which 
 registers, the way torch's fused CPU kernel works. Plain C with pointers, not a torch C++ extension: it
 needs no torch headers and no ninja, builds in about a second, and cannot break with torch's C++ ABI.
 
-Build: ``$CC`` (else ``cc``/``gcc``/``clang``) with ``-O3 -march=native -fopenmp -ffp-contract=off``; without
-OpenMP it retries single-threaded, without ``-march=native`` generic. OpenMP is linked as ``libgomp.so.1``,
+Build: ``$CC`` (else ``cc``/``gcc``/``clang``) with ``-O3 -march=native -fopenmp -ffp-contract=off
+-fno-trapping-math``; without OpenMP it retries single-threaded, without ``-march=native`` generic.
+``-fno-trapping-math`` changes no value (FP exceptions are never read here); it lets gcc if-convert the
+gated loops' selects, which compute on both sides. Without it, on a CPU without AVX-512 masking (AVX2
+only), gcc 12 left the gated (SF-)AdamW loop scalar: "repair" ran 10.6x "off" at 1M entries, 1.54x with
+it (same tensors, policy switched, 30 interleaved rounds, 2 threads; AMD EPYC without AVX-512). OpenMP is linked as ``libgomp.so.1``,
 the soname torch's CPU wheels ship, so the kernel shares torch's thread pool rather than starting a second
 one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default ``~/.cache/nonans_optim``), keyed by
 the source, the flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
@@ -44,7 +48,7 @@ __all__ = ["library", "failure", "record_step", "record_pack", "Int64Array", "SO
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_step.c",
            _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
-_BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+_BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 # Tried in order: the first that compiles wins.
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 _FAILURE: list[str] = []
