@@ -1,15 +1,16 @@
-"""The AVX-512 build of the native loops (nonans_optim/native/simd_avx512.h: the (SF-)AdamW step and the
-spectral update) against the portable build (``NONANS_NATIVE_SIMD=portable``): the same arithmetic op for
-op, so every parameter, state buffer and event count must be bit-identical — over test_fused.py's fault
-sequence (NaN, ±Inf, a g² overflow, the hold rule, a spike the guard rescales, the pre-pass path), under
-every policy, with the guard on and off, one and two threads, both branches of the lerp formula; over
-test_fused_spectral.py's for SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that
-overflow to ±Inf and NaN inside the step (the update stage's NaN/Inf split). test_fused.py and
-test_fused_spectral.py already compare each build with impl="loop" within tolerances; this pins down that
-the fast path changed nothing.
+"""The SIMD builds of the native loops against the portable build (``NONANS_NATIVE_SIMD=portable``): the
+AVX-512 form (nonans_optim/native/simd_avx512.h: the (SF-)AdamW step and the spectral update) and the AVX2
+form of the (SF-)AdamW step (scalar_avx2.h). Each is the same arithmetic op for op, so every parameter, state
+buffer and event count must be bit-identical — over test_fused.py's fault sequence (NaN, ±Inf, a g²
+overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
+on and off, one and two threads, both branches of the lerp formula; over test_fused_spectral.py's for
+SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that overflow to ±Inf and NaN inside
+the step (the update stage's NaN/Inf split). test_fused.py and test_fused_spectral.py already compare each
+build with impl="loop" within tolerances; this pins down that the fast paths changed nothing.
 
-Each build runs in its own subprocess (the library is loaded once per process) and saves its results.
-Skipped where the default build has no AVX-512 form (nothing to compare).
+Each build runs in its own subprocess (the library is loaded once per process) and saves its results. The
+default build is compared, and on an AVX-512 machine the AVX2 form too (``NONANS_NATIVE_SIMD=avx2``).
+Skipped where the default build has no SIMD form (nothing to compare).
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from nonans_optim import native
 
 HERE = Path(__file__).parent
 
-pytestmark = pytest.mark.skipif(native.library() is None or native.library().nonans_simd_width() != 512,
-                                reason="the native build has no AVX-512 form on this machine")
+_WIDTH = native.library().nonans_simd_width() if native.library() is not None else 0
+pytestmark = pytest.mark.skipif(_WIDTH == 0, reason="the native build has no SIMD form on this machine")
+# (NONANS_NATIVE_SIMD, the vector width that build must report): the default, and AVX2 where it is not
+SIMD_BUILDS = [("auto", _WIDTH)] + ([("avx2", 256)] if _WIDTH == 512 else [])
 
 # (optimizer, policy, threads, extra constructor arguments)
 CASES = [(cls, policy, 2, {}) for cls in ("AdamW", "SFAdamW") for policy in ("repair", "skip", "off")]
@@ -59,16 +62,19 @@ def overflow_run(cls, policy):
         opt.step()
     return params, opt
 
-def magnitude_run(cls, lr, eps, top, top_grad, **kw):
+def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
     # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
     # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
-    # loop's early test (clean_limit_ in scalar_avx512.h, which depends on lr and eps) and some just over
+    # loops' early tests (clean_limit_ in scalar_step.c, which depends on lr and eps; AVX2: input_limit_
+    # in scalar_avx2.h, at most that) and some just over
     # it, and the largest overflow inside the step. A quarter of the entries get a (negative, finite) v that
     # cancels the coming g², so the new v is about 0 and the denominator about eps: the case the bound is
     # sharp for. The portable build tests every value it computes, so an early test that let an
     # overflowing entry through writes other bits. The test is per 32 entries, so a run meant to reach the
     # bound keeps most magnitudes below it (a small top): one entry over it sends its 31 neighbours to the
-    # exact path too.
+    # exact path too. zero_v: the quarter gets v = +0 instead, which the AVX2 form's test (on the old v, which
+    # must not be negative) lets through, so a large m over a denominator of about eps is where its bound
+    # is sharp (AdamW; a bound 1000x too loose fails it).
     gen = torch.Generator().manual_seed(5)
 
     def spread(n, lo=-30.0, hi=38.5):
@@ -90,7 +96,7 @@ def magnitude_run(cls, lr, eps, top, top_grad, **kw):
         for p in params:
             g = p.grad = spread(p.numel(), hi=top_grad)
             v = opt.state[p]["exp_avg_sq"]
-            cancel = -((one_m_b2 * g) * g) / b2
+            cancel = torch.zeros_like(v) if zero_v else -((one_m_b2 * g) * g) / b2
             v.copy_(torch.where((torch.rand(v.shape, generator=gen) < 0.25) & cancel.isfinite(), cancel, v))
         opt.step()
     return params, opt
@@ -101,7 +107,8 @@ for cls in ("AdamW", "SFAdamW"):
     # second run reaches the bound (about 4e7 for SFAdamW, 3e6 for AdamW; a bound 1000x too loose fails it)
     for i, (lr, eps, top, top_grad, kw) in enumerate((
             (1e-3, 1e-8, 38.5, 19.0, {}), (1.0, 1e-30, 6.0, 11.0, {"weight_decay": 0.5, "betas": (0.9, 0.5)}),
-            (1e6, 1e-8, 20.0, 19.0, {"betas": (0.9, 0.5)}), (1e-3, 1e-8, 38.5, 19.0, {"betas": (0.3, 0.99)}))):
+            (1e6, 1e-8, 20.0, 19.0, {"betas": (0.9, 0.5)}), (1e-3, 1e-8, 38.5, 19.0, {"betas": (0.3, 0.99)}),
+            (1.0, 1e-30, 8.0, 6.0, {"weight_decay": 0.5, "betas": (0.9, 0.5), "zero_v": True}))):
         params, opt = magnitude_run(cls, lr, eps, top, top_grad, **kw)
         out[(cls, "magnitude", i)] = (params, opt.state_dict())
 for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
@@ -147,9 +154,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8) if t.is_floating_point() else t
 
 
-def test_avx512_build_writes_the_portable_bits(tmp_path):
-    fast, portable = _dump(tmp_path, "auto"), _dump(tmp_path, "portable")
-    assert (int(fast.pop("simd_width")), int(portable.pop("simd_width"))) == (512, 0)  # two different builds ran
+@pytest.mark.parametrize("simd, width", SIMD_BUILDS, ids=[b[0] for b in SIMD_BUILDS])
+def test_simd_build_writes_the_portable_bits(tmp_path, simd, width):
+    fast, portable = _dump(tmp_path, simd), _dump(tmp_path, "portable")
+    assert (int(fast.pop("simd_width")), int(portable.pop("simd_width"))) == (width, 0)  # two different builds ran
     assert fast.keys() == portable.keys()
     compared, update_events, overflows = 0, 0, {"AdamW": 0, "SFAdamW": 0}
     for key in fast:

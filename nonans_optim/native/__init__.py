@@ -21,8 +21,9 @@ run on another CPU sharing the home directory).
 
 Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in the intrinsics forms of the
 (SF-)AdamW loop (``scalar_avx512.h``) and of the spectral update loop (``spectral_post.c``), which check
-and count the resolution far more cheaply (``simd_avx512.h``); ``NONANS_NATIVE_SIMD=portable`` leaves
-them out.
+and count the resolution far more cheaply (``simd_avx512.h``); where it has AVX2 but not AVX-512, the
+AVX2 form of the (SF-)AdamW loop (``scalar_avx2.h``). ``NONANS_NATIVE_SIMD=portable`` leaves them out;
+``NONANS_NATIVE_SIMD=avx2`` leaves out only the AVX-512 forms.
 
 ``NONANS_NATIVE=0`` disables it. When it cannot be built, :func:`library` returns None, :func:`failure`
 says why, and ``impl="fused"`` warns once and runs ``impl="compiled"``.
@@ -46,8 +47,8 @@ import torch
 __all__ = ["library", "failure", "record_step", "record_pack", "Int64Array", "SOURCES"]
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_step.c",
-           _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
+SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_avx2.h",
+           _DIR / "scalar_step.c", _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 # Tried in order: the first that compiles wins.
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
@@ -90,12 +91,13 @@ def _cache_dirs() -> list[Path]:
 
 
 def _simd_flags() -> list[str]:
-    """``NONANS_NATIVE_SIMD=portable`` builds the portable loops only (scalar_avx512.h compiled out): the
-    reference that tests/test_native_simd.py compares the AVX-512 build with, bit for bit."""
+    """``NONANS_NATIVE_SIMD=portable`` builds the portable loops only (scalar_avx512.h and scalar_avx2.h
+    compiled out): the reference that tests/test_native_simd.py compares the SIMD builds with, bit for bit.
+    ``avx2`` leaves out the AVX-512 form only, so an AVX-512 machine can build and test the AVX2 form."""
     mode = os.environ.get("NONANS_NATIVE_SIMD", "auto")
-    if mode not in ("auto", "portable"):
-        raise ValueError(f"NONANS_NATIVE_SIMD must be 'auto' or 'portable', got {mode!r}")
-    return ["-DNONANS_PORTABLE"] if mode == "portable" else []
+    if mode not in ("auto", "portable", "avx2"):
+        raise ValueError(f"NONANS_NATIVE_SIMD must be 'auto', 'portable' or 'avx2', got {mode!r}")
+    return {"auto": [], "portable": ["-DNONANS_PORTABLE"], "avx2": ["-DNONANS_NO_AVX512"]}[mode]
 
 
 def _build(cc: str, flags: list[str], out: Path) -> str | None:

@@ -195,38 +195,6 @@ static inline __attribute__((always_inline)) void vec_loop_(
         vec_update_(sf, gate, decay_z, 0, exact, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
 }
 
-/* The magnitude bound of early_bad_ for one tensor's block: the largest L such that, when |g|, |p| and |z|
- * (AdamW: |m|) are at most L and the new v is finite and not negative, every value the stock arithmetic
- * computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias
- * correction of 0, which validated betas never give but which would divide by zero too), and then the
- * loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
- * and lerpk = 1 + 2·max(|w|, |1-w|) for a lerp of weight w (either of lerpf_'s forms, both operands at most
- * M in magnitude, stays within lerpk·M):
- *
- *   the new v ≥ 0 gives a denominator sqrt(v / bc2) + eps ≥ eps, or +Inf (then d = 0);
- *   AdamW:  |m| ≤ S·lerpk·L = mk·L;  |m / bc1| ≤ mk·L / bc1;  |d| ≤ mk·L / (bc1·eps);
- *           |y| = |p·wdf - lr·d| ≤ (|wdf| + |lr|·mk / (bc1·eps))·L;
- *   SF:     |d| ≤ (|s| / eps + |λ|)·L = dk·L (λ only with decoupled z decay); |z - d·lr| ≤ (1 + |lr|·dk)·L;
- *           |y| = |lerp(p, z, c) + d·lrc| ≤ (lerpk + |lrc|·dk)·L;  z - p inside the lerp ≤ 2L.
- *
- * L is FLT_MAX / 8 over the largest of these factors: eight, not one, covers the few roundings (each at most
- * a factor 1 + 2⁻²⁴) between a bound and the value. Computed in double, once per block. */
-static inline float clean_limit_(const int sf, const int decay_z, float s, float lr, float wdf, float lrc,
-                                 float bc1, float bc2, const hyper_t h) {
-    const double w = sf ? h.c : h.one_m_b1, lerpk = 1.0 + 2.0 * fmax(fabs(w), fabs(1.0 - w));
-    const double S = fmax(1.0, fabs((double)s)), eps = h.eps;
-    double k;
-    if (sf) {
-        const double dk = fabs((double)s) / eps + (decay_z ? fabs((double)h.wd) : 0.0);
-        k = fmax(fmax(2.0, dk), fmax(1.0 + fabs((double)lr) * dk, lerpk + fabs((double)lrc) * dk));
-    } else {
-        const double mk = S * lerpk, dk = mk / (fabs((double)bc1) * eps);
-        k = fmax(fmax(mk / fabs((double)bc1), dk), fabs((double)wdf) + fabs((double)lr) * dk);
-    }
-    if (!(eps > 0.0) || !(bc2 > 0.0f) || !(k < INFINITY)) return 0.0f; /* !(k < Inf): a NaN k too, which fmax drops */
-    return (float)(FLT_MAX / 8.0 / k);
-}
-
 /* update_block (scalar_step.c) for [b0, b1), same arguments and counts. */
 static inline __attribute__((always_inline)) void update_block_avx512(
         const int sf, const int gate, const int clean, const int decay_z,

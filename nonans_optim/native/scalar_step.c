@@ -19,6 +19,7 @@
  * "off", and both run this same code, so the only difference may be the selects, which change nothing
  * on a clean entry. Build and loading: nonans_optim/native/__init__.py.
  */
+#include <float.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -26,6 +27,39 @@
 typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
 } hyper_t;
+
+/* The magnitude bound of the SIMD loops' early test (early_bad_ in scalar_avx512.h and scalar_avx2.h) for
+ * one tensor's block: the largest L such that, when |g|, |p| and |z|
+ * (AdamW: |m|) are at most L and the new v is finite and not negative, every value the stock arithmetic
+ * computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias
+ * correction of 0, which validated betas never give but which would divide by zero too), and then the
+ * loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
+ * and lerpk = 1 + 2·max(|w|, |1-w|) for a lerp of weight w (either of lerpf_'s forms, both operands at most
+ * M in magnitude, stays within lerpk·M):
+ *
+ *   the new v ≥ 0 gives a denominator sqrt(v / bc2) + eps ≥ eps, or +Inf (then d = 0);
+ *   AdamW:  |m| ≤ S·lerpk·L = mk·L;  |m / bc1| ≤ mk·L / bc1;  |d| ≤ mk·L / (bc1·eps);
+ *           |y| = |p·wdf - lr·d| ≤ (|wdf| + |lr|·mk / (bc1·eps))·L;
+ *   SF:     |d| ≤ (|s| / eps + |λ|)·L = dk·L (λ only with decoupled z decay); |z - d·lr| ≤ (1 + |lr|·dk)·L;
+ *           |y| = |lerp(p, z, c) + d·lrc| ≤ (lerpk + |lrc|·dk)·L;  z - p inside the lerp ≤ 2L.
+ *
+ * L is FLT_MAX / 8 over the largest of these factors: eight, not one, covers the few roundings (each at most
+ * a factor 1 + 2⁻²⁴) between a bound and the value. Computed in double, once per block. */
+static inline float clean_limit_(const int sf, const int decay_z, float s, float lr, float wdf, float lrc,
+                                 float bc1, float bc2, const hyper_t h) {
+    const double w = sf ? h.c : h.one_m_b1, lerpk = 1.0 + 2.0 * fmax(fabs(w), fabs(1.0 - w));
+    const double S = fmax(1.0, fabs((double)s)), eps = h.eps;
+    double k;
+    if (sf) {
+        const double dk = fabs((double)s) / eps + (decay_z ? fabs((double)h.wd) : 0.0);
+        k = fmax(fmax(2.0, dk), fmax(1.0 + fabs((double)lr) * dk, lerpk + fabs((double)lrc) * dk));
+    } else {
+        const double mk = S * lerpk, dk = mk / (fabs((double)bc1) * eps);
+        k = fmax(fmax(mk / fabs((double)bc1), dk), fabs((double)wdf) + fabs((double)lr) * dk);
+    }
+    if (!(eps > 0.0) || !(bc2 > 0.0f) || !(k < INFINITY)) return 0.0f; /* !(k < Inf): a NaN k too, which fmax drops */
+    return (float)(FLT_MAX / 8.0 / k);
+}
 
 /* The sum of 16 lanes, halving: lanes[i] + lanes[i + 8], then + 4, + 2, + 1 (both builds' order). */
 static inline float sum16_(float *lanes) {
@@ -51,20 +85,7 @@ static inline float sumsq_portable(const float *restrict g, int64_t b0, int64_t 
 }
 
 #include "scalar_avx512.h"
-#ifdef NONANS_AVX512
-#define UPDATE_BLOCK update_block_avx512
-#else
-#define UPDATE_BLOCK update_block
-#endif
 
-/* 512 when the AVX-512 form of the loops below was compiled in (scalar_avx512.h), else 0. */
-int nonans_simd_width(void) {
-#ifdef NONANS_AVX512
-    return 512;
-#else
-    return 0;
-#endif
-}
 
 /* One block [b0, b1) of pass 2, adding its five counts to c. sf/gate/clean/decay_z are compile-time
  * constants at every call site, so the compiler emits one straight vector loop per variant.
@@ -147,6 +168,27 @@ static inline __attribute__((always_inline)) void update_block(
         }
     }
     c[0] += gn; c[1] += gb; c[2] += vbad - gb; c[3] += un; c[4] += ub;
+}
+
+#include "scalar_avx2.h" /* after update_block, which its rare paths call */
+#if defined(NONANS_AVX512)
+#define UPDATE_BLOCK update_block_avx512
+#elif defined(NONANS_AVX2)
+#define UPDATE_BLOCK update_block_avx2
+#else
+#define UPDATE_BLOCK update_block
+#endif
+
+/* The vector width in bits of the (SF-)AdamW loop compiled in: 512 (scalar_avx512.h), 256 (scalar_avx2.h),
+ * or 0 for the portable loops alone. */
+int nonans_simd_width(void) {
+#if defined(NONANS_AVX512)
+    return 512;
+#elif defined(NONANS_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
 }
 
 /* Pass 2 over [lo, hi) of one tensor, block by block. bad: pass 1's per-chunk non-finite counts of this

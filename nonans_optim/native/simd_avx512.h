@@ -15,7 +15,7 @@
  * early_bad_). */
 #ifndef NONANS_SIMD_AVX512_H
 #define NONANS_SIMD_AVX512_H
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(NONANS_PORTABLE)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(NONANS_PORTABLE) && !defined(NONANS_NO_AVX512)
 #define NONANS_AVX512 1
 #include <immintrin.h>
 
