@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "spike-guards": ("experiments.spike_guards", "norm-ratio vs element-wise spike guard on AdamW (issue 3)"),
     "momentum-dtype": ("experiments.momentum_dtype", "SF-NorMuon momentum buffer in bf16 vs fp32 (issue 2)"),
     "ns5-method": ("experiments.ns5_method", "standard vs Gram Newton-Schulz on CPU (issue 2)"),
+    "simd": ("experiments.simd", "repair overhead of (SF-)AdamW per native SIMD build: portable, AVX2, AVX-512 (issue 3)"),
     "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),
 }
 

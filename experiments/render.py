@@ -40,6 +40,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "spikes": ("spikes.json", "experiments.spikes:render"),
     "momentum-dtype": ("momentum_dtype.json", "experiments.momentum_dtype:render"),
     "ns5-method": ("ns5_method.json", "experiments.ns5_method:render"),
+    "simd": ("simd.json", "experiments.simd:render"),
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),

@@ -168,3 +168,19 @@ def test_momentum_dtype_tiny(tmp_path):
     b = data["bytes_per_param"]
     assert b["bf16"] < 8.0 < b["param"]  # the point of the option: under AdamW's two fp32 moments
     assert all(math.isfinite(x) for r in data["tasks"].values() for x in r["bf16"] + r["param"])
+
+
+@pytest.mark.slow
+def test_simd_quick(tmp_path):
+    data = _run("simd", tmp_path)
+    assert data["command"] == "python -m experiments simd --quick"
+    built = [b for b in data["builds"] if b["simd_width"] is not None]
+    assert built and built[0]["mode"] == "portable" and built[0]["simd_width"] == 0  # the reference always builds
+    assert len({b["simd_width"] for b in built}) == len(built)  # a build that repeats another's width is left out
+    assert data["default_mode"] in {b["mode"] for b in built}
+    for b in built:
+        assert {(r["optimizer"], r["entries"]) for r in b["rows"]} == {
+            (o, n) for o in ("AdamW", "SFAdamW") for n in (1 << 10, 1 << 12)}
+        for r in b["rows"]:
+            assert _finite_positive(r["off_ms"]) and _finite_positive(r["repair"]["median"])
+            assert ("off_vs_torch_fused" in r) == (r["optimizer"] == "AdamW")

@@ -1,0 +1,197 @@
+"""``python -m experiments simd`` — what "repair" costs the default (SF-)AdamW step under each build of the
+native loops this CPU can run: portable C, the AVX2 form, the AVX-512 form.
+
+Why it exists: every earlier overhead number came from machines with AVX-512, where the default build is the
+hand-vectorised AVX-512 loop. On a CPU without it (AVX2 only: many desktop and cloud x86 CPUs) the same
+default ran the portable loop, which gcc left scalar under "repair" — about 10x "off" at 1M entries on this
+project's AVX2-only machine (a scratch measurement before the fix; see nonans_optim/native/__init__.py and
+scalar_avx2.h). This experiment keeps that visible: each build in fresh processes of its own
+(``NONANS_NATIVE_SIMD`` = portable / avx2 / auto; a build this CPU cannot run, or that duplicates another's
+vector width, is left out), each process timing one optimizer per (optimizer, size) whose policy is switched
+between "off" and "repair" between samples (the same tensors, as in ``experiments.overhead``'s size sweep),
+with a second "off" arm as the A/A. torch's own fused AdamW on a copy of the same tensor is the scale, paired
+with "off" in rounds of their own.
+
+Output: ``results/simd.json`` and the table between ``<!-- simd:begin/end -->`` in RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import nonans_optim as no
+from experiments.overhead_controls import spread, switched
+from experiments.questions_io import fmt, publish
+from experiments.step_time import ROOT, interleaved, machine_info
+
+__all__ = ["run", "render", "main"]
+
+CPU = torch.device("cpu")
+MODES = ("portable", "avx2", "auto")
+SIZES, QUICK_SIZES = (1 << 16, 1 << 20, 1 << 24), (1 << 10, 1 << 12)
+OPTIMIZERS = {"AdamW": no.AdamW, "SFAdamW": no.SFAdamW}
+TARGET = 1.02  # issue 3: repair at most +2% of the optimizer step on CPU
+
+
+def _measure(args) -> dict[str, Any]:
+    """One process's rows (the build is whatever NONANS_NATIVE_SIMD selected when it started)."""
+    from nonans_optim import native
+    torch.set_num_threads(args.threads)
+    lib = native.library()
+    if lib is None:
+        return {"simd_width": None, "failure": native.failure(), "rows": []}
+    rows = []
+    for name, cls in OPTIMIZERS.items():
+        for n in (QUICK_SIZES if args.quick else SIZES):
+            gen = torch.Generator().manual_seed(n)
+            p = torch.nn.Parameter(torch.randn(n, generator=gen))
+            p.grad = torch.randn(n, generator=gen) * 1e-2
+            opt = cls([p], lr=1e-3, impl="fused")
+            arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair"), "aa": switched(opt, "off")}
+            for arm in arms.values():
+                arm()
+            start = time.perf_counter()
+            arms["off"]()
+            inner = max(1, round(args.sample_ms * 1e-3 / max(time.perf_counter() - start, 1e-9)))
+            times = interleaved(arms, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
+            row = {"optimizer": name, "entries": n, "inner": inner,
+                   "off_ms": 1e3 * statistics.median(times["off"]),
+                   "repair": spread(times["repair"], times["off"]), "aa": spread(times["aa"], times["off"])}
+            if name == "AdamW":  # the scale: torch's fused CPU AdamW on a copy of the same tensor
+                q = torch.nn.Parameter(p.detach().clone())
+                q.grad = p.grad.clone()
+                pair = {"off": arms["off"], "torch_fused": torch.optim.AdamW([q], lr=1e-3, fused=True).step}
+                # a pair of its own: in one rotation with the three arms above, "off" always followed torch's
+                # arm, whose copy evicts the shared tensors from the cache (the A/A read 0.93 at 1M entries)
+                t = interleaved(pair, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
+                row["off_vs_torch_fused"] = spread(t["off"], t["torch_fused"])
+            rows.append(row)
+    return {"simd_width": lib.nonans_simd_width(), "rows": rows}
+
+
+def _child(mode: str, args) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "experiments.simd", "--child", "--rounds", str(args.rounds), "--warmup",
+           str(args.warmup), "--sample-ms", str(args.sample_ms), "--threads", str(args.threads)]
+    cmd += ["--quick"] if args.quick else []
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "NONANS_NATIVE_SIMD": mode})
+    if proc.returncode != 0:
+        raise RuntimeError(f"NONANS_NATIVE_SIMD={mode} {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def _combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (optimizer, size): the median over processes of each process's paired medians, and their range."""
+    out = []
+    for i, row in enumerate(runs[0]["rows"]):
+        per = [r["rows"][i] for r in runs]
+        comb = {"optimizer": row["optimizer"], "entries": row["entries"],
+                "off_ms": statistics.median(r["off_ms"] for r in per)}
+        for key in ("repair", "aa", "off_vs_torch_fused"):
+            if key in row:
+                meds = [r[key]["median"] for r in per]
+                comb[key] = {"median": statistics.median(meds), "low": min(meds), "high": max(meds)}
+        out.append(comb)
+    return out
+
+
+def run(args) -> dict[str, Any]:
+    builds, widths = [], {}
+    for mode in MODES:
+        runs = [_child(mode, args) for _ in range(args.processes)]
+        width = widths[mode] = runs[0]["simd_width"]
+        if width is None:
+            builds.append({"mode": mode, "simd_width": None, "failure": runs[0]["failure"], "rows": []})
+        elif all(b["simd_width"] != width for b in builds):  # "auto" on an AVX2-only CPU is "avx2" again
+            builds.append({"mode": mode, "simd_width": width, "processes": args.processes, "rows": _combine(runs)})
+    default = next((b["mode"] for b in builds if widths["auto"] is not None and b["simd_width"] == widths["auto"]),
+                   None)
+    return {"command": "python -m experiments simd" + (" --quick" if args.quick else ""),
+            "machine": machine_info(), "cpu_flags": _cpu_simd_flags(), "rounds": args.rounds,
+            "threads": args.threads, "builds": builds, "default_mode": default}
+
+
+def _cpu_simd_flags() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo", encoding="ascii", errors="ignore"):
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if f in ("avx2", "fma", "avx512f",
+                                                                                  "avx512dq", "avx512_bf16"))
+    except OSError:
+        pass
+    return []
+
+
+def _name(b: dict[str, Any]) -> str:
+    return {0: "portable C", 256: "AVX2", 512: "AVX-512"}.get(b["simd_width"], str(b["simd_width"]))
+
+
+def render(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    lines = [f"Command: `{data['command']}` (JSON: `results/simd.json`), measured {m['date']} on {m['cpu']}, "
+             f"{m['cores']} cores, {data['threads']} torch threads, torch {m['torch']}; CPU SIMD flags: "
+             f"{', '.join(data['cpu_flags']) or 'none'}. Clean steps of the default `impl` (the native loops) on "
+             "one fp32 tensor; each build in fresh processes of its own; in each, one optimizer whose policy is "
+             f"switched between samples (same tensors), {data['rounds']} interleaved rounds; a cell is the median "
+             "over processes of each process's paired median (lowest–highest process). A/A: a second \"off\" "
+             "arm. torch: `torch.optim.AdamW(fused=True)` on a copy of the tensor, paired with \"off\" in rounds of "
+             "their own.", "",
+             "| build | optimizer | entries | off ms | repair / off | A/A | off / torch fused AdamW |",
+             "|---|---|---|---|---|---|---|"]
+    for b in data["builds"]:
+        if b["simd_width"] is None:
+            lines.append(f"| {b['mode']} | — | — | — | not built: {b['failure']} | — | — |")
+            continue
+        for r in b["rows"]:
+            def cell(key: str) -> str:
+                c = r.get(key)
+                return "—" if c is None else f"{fmt(c['median'], 3)} ({fmt(c['low'], 3)}–{fmt(c['high'], 3)})"
+            default = " (default)" if b["mode"] == data["default_mode"] else ""
+            lines.append(f"| {_name(b)}{default} | {r['optimizer']} | {r['entries']:,} | {fmt(r['off_ms'], 3)} | "
+                         f"{cell('repair')} | {cell('aa')} | {cell('off_vs_torch_fused')} |")
+    lines.append("")
+    default = next((b for b in data["builds"] if b["mode"] == data["default_mode"]), None)
+    if default is not None:
+        big = [r for r in default["rows"] if r["entries"] >= (1 << 20)]
+        where = "at 1M entries and more" if big else "at every size run"
+        over = [f"{r['optimizer']} at {r['entries']:,} ({r['repair']['median']:.3f})" for r in big or default["rows"]
+                if r["repair"]["median"] > TARGET]
+        lines.append(f"Against the CPU target (repair ≤ {TARGET:.2f}× off), the default build here ({_name(default)}), "
+                     f"{where}: " + ("met by every row." if not over else "MISSED by " + ", ".join(over) + "."))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments simd", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two small sizes, 2 rounds, one process per build")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sample-ms", type=float, default=25.0, help="each sample times about this long")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--processes", type=int, default=None, help="fresh processes per build")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "results" / "simd.json"))
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
+    args = ap.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 21)
+    args.processes = args.processes or (1 if args.quick else 3)
+    if args.child:
+        print(json.dumps(_measure(args)))
+        return 0
+    data = run(args)
+    publish(data, Path(args.out), render(data), args.results_md, "simd",
+            "Repair overhead by native SIMD build (issue 3)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
