@@ -13,8 +13,9 @@ Build: ``$CC`` (else ``cc``/``gcc``/``clang``) with ``-O3 -march=native -fopenmp
 ``-fno-trapping-math`` changes no value (FP exceptions are never read here); it lets gcc if-convert the
 gated loops' selects, which compute on both sides. Without it, on a CPU without AVX-512 masking (AVX2
 only), gcc 12 left the gated (SF-)AdamW loop scalar: "repair" ran 10.6x "off" at 1M entries, 1.54x with
-it (same tensors, policy switched, 30 interleaved rounds, 2 threads; AMD EPYC without AVX-512). OpenMP is linked as ``libgomp.so.1``,
-the soname torch's CPU wheels ship, so the kernel shares torch's thread pool rather than starting a second
+it (a scratch script: same tensors, policy switched, 30 interleaved rounds, 2 threads; AMD EPYC without
+AVX-512; ``python -m experiments simd`` measures the builds as they are now). OpenMP is linked as
+``libgomp.so.1``, the soname torch's CPU wheels ship, so the kernel shares torch's thread pool rather than starting a second
 one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default ``~/.cache/nonans_optim``), keyed by
 the source, the flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
 run on another CPU sharing the home directory).

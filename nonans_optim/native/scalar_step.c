@@ -28,8 +28,8 @@ typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
 } hyper_t;
 
-/* The magnitude bound of the SIMD loops' early test (early_bad_ in scalar_avx512.h and scalar_avx2.h) for
- * one tensor's block: the largest L such that, when |g|, |p| and |z|
+/* The magnitude bound of the SIMD loops' early tests (early_bad_ in scalar_avx512.h; input_limit_ in
+ * scalar_avx2.h, which tightens it) for one tensor's block: the largest L such that, when |g|, |p| and |z|
  * (AdamW: |m|) are at most L and the new v is finite and not negative, every value the stock arithmetic
  * computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias
  * correction of 0, which validated betas never give but which would divide by zero too), and then the
@@ -86,7 +86,6 @@ static inline float sumsq_portable(const float *restrict g, int64_t b0, int64_t 
 
 #include "scalar_avx512.h"
 
-
 /* One block [b0, b1) of pass 2, adding its five counts to c. sf/gate/clean/decay_z are compile-time
  * constants at every call site, so the compiler emits one straight vector loop per variant.
  *
@@ -97,8 +96,8 @@ static inline float sumsq_portable(const float *restrict g, int64_t b0, int64_t 
  * as functional/adam.py counts it). Only a block where it is nonzero counts its NaN and non-finite gradient
  * entries again, from g, which the loop never writes — exact, and rare. clean: pass 1 found no non-finite
  * g in this block (and the tensor is neither held nor kept whole), so the gradient gate selects nothing
- * and the recount is not needed. This is the portable form; scalar_avx512.h has the same loop in AVX-512
- * intrinsics, which the build uses where the CPU has them. */
+ * and the recount is not needed. This is the portable form; scalar_avx512.h and scalar_avx2.h have the same
+ * loop in AVX-512 and AVX2 intrinsics, which the build uses where the CPU has them. */
 static inline __attribute__((always_inline)) void update_block(
         const int sf, const int gate, const int clean, const int decay_z,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
