@@ -18,3 +18,19 @@ def test_native_library_builds_where_a_c_compiler_exists():
     for name in ("nonans_scalar_step", "nonans_spectral_pre", "nonans_spectral_post", "nonans_record_step",
                  "nonans_record_step_packed"):
         assert hasattr(native.library(), name)
+
+
+@pytest.mark.parametrize("mode, flags", [(None, []), ("auto", []), ("portable", ["-DNONANS_PORTABLE"]),
+                                         ("avx2", ["-DNONANS_NO_AVX512"])])
+def test_simd_mode_selects_the_build_flags(monkeypatch, mode, flags):
+    if mode is None:
+        monkeypatch.delenv("NONANS_NATIVE_SIMD", raising=False)
+    else:
+        monkeypatch.setenv("NONANS_NATIVE_SIMD", mode)
+    assert native._simd_flags() == flags
+
+
+def test_unknown_simd_mode_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("NONANS_NATIVE_SIMD", "avx1024")
+    with pytest.raises(ValueError, match="'auto', 'portable' or 'avx2', got 'avx1024'"):
+        native._simd_flags()
