@@ -9,7 +9,12 @@ where the singularity reaches the optimizer.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +91,18 @@ def test_stock_kl_shampoo_is_unnormalised():
     w.grad = g2
     opt.step()
     torch.testing.assert_close(w.detach(), w0 - 0.01 * g2, rtol=1e-4, atol=1e-3)
+
+
+def test_bench_cli_with_empty_results_md_writes_json_and_leaves_markdown(tmp_path):
+    """``--results-md ''`` means "do not render", as for every other experiment (it used to crash after the
+    whole run, writing to the directory '.')."""
+    root = Path(__file__).resolve().parent.parent
+    published = (root / "RESULTS.md").read_text()
+    proc = subprocess.run([sys.executable, "-m", "experiments", "bench", "--size", "tiny", "--workloads",
+                           "w8_fault_injection", "--out", str(tmp_path), "--results-md", ""], cwd=root,
+                          env={**os.environ, "NONANS_WANDB": "0"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert set(data["workloads"]) == {"w8_fault_injection"}
+    assert "| workload |" in proc.stdout  # the table is printed ...
+    assert (root / "RESULTS.md").read_text() == published  # ... and no RESULTS.md section was written

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workload keys")
     ap.add_argument("--out", default="results")
-    ap.add_argument("--results-md", default="RESULTS.md")
+    ap.add_argument("--results-md", default="RESULTS.md", help="'' to skip rendering (as every experiment takes it)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: these models are too small to gain from more)")
     args = ap.parse_args(argv)
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, arms in records.items():
             plot(k, WORKLOADS[k].title, arms, os.path.join(args.out, f"bench_{k}.png"))
         md = render_markdown(results)
-        write_results_section(md, args.results_md)
+        if args.results_md:
+            write_results_section(md, args.results_md)
         print(md)
     print(f"bench {args.mode}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 0
