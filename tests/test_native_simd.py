@@ -65,9 +65,8 @@ def overflow_run(cls, policy):
 def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
     # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
     # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
-    # loops' early tests (clean_limit_ in scalar_step.c, which depends on lr and eps; AVX2: input_limit_
-    # in scalar_avx2.h, at most that) and some just over
-    # it, and the largest overflow inside the step. A quarter of the entries get a (negative, finite) v that
+    # loops' early tests (clean_limit_ in scalar_step.c, which depends on lr and eps; AVX2: input_limit_ in
+    # scalar_avx2.h, at most that) and some just over it, and the largest overflow inside the step. A quarter of the entries get a (negative, finite) v that
     # cancels the coming g², so the new v is about 0 and the denominator about eps: the case the bound is
     # sharp for. The portable build tests every value it computes, so an early test that let an
     # overflowing entry through writes other bits. The test is per 32 entries, so a run meant to reach the
