@@ -121,14 +121,9 @@ def run(args) -> dict[str, Any]:
 
 
 def _cpu_simd_flags() -> list[str]:
-    try:
-        for line in open("/proc/cpuinfo", encoding="ascii", errors="ignore"):
-            if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split() if f in ("avx2", "fma", "avx512f",
-                                                                                  "avx512dq", "avx512_bf16"))
-    except OSError:
-        pass
-    return []
+    """The CPU's SIMD flags that decide which native build runs (read as the build's cache key reads them)."""
+    from nonans_optim import native
+    return sorted(set(native._cpu_flags().split()) & {"avx2", "fma", "avx512f", "avx512dq", "avx512_bf16"})
 
 
 def _name(b: dict[str, Any]) -> str:
