@@ -42,7 +42,7 @@ import torch
 from experiments.step_time import ROOT, interleaved
 
 __all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer", "controls",
-           "fresh_controls", "spread", "switched", "render"]
+           "fresh_controls", "over_builds", "spread", "switched", "render"]
 
 CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)")
 # independent builds per control (quick runs: 2): a placement is a property of one build, so one build
@@ -78,7 +78,7 @@ def switched(opt: torch.optim.Optimizer, policy: str, spike_factor: float | None
     return step
 
 
-def _over_builds(per_build: list[dict[str, float]]) -> dict[str, float]:
+def over_builds(per_build: list[dict[str, float]]) -> dict[str, float]:
     """Median of the builds' paired medians, and the lowest and highest of them."""
     meds = [b["median"] for b in per_build]
     return {"median": statistics.median(meds), "low": min(meds), "high": max(meds)}
@@ -113,8 +113,8 @@ def controls(base: torch.nn.Module, grads: list[torch.Tensor], optimizers: dict[
             for k, v in times.items():
                 raw[k].append([1e3 * x for x in v])
         rows.append({"optimizer": name, "inner": inner, "builds": builds,
-                     "aa": _over_builds([b["aa"] for b in per_build]),
-                     "same_tensors": _over_builds([b["same_tensors"] for b in per_build]),
+                     "aa": over_builds([b["aa"] for b in per_build]),
+                     "same_tensors": over_builds([b["same_tensors"] for b in per_build]),
                      "per_build": per_build, "raw_ms": raw})
         del offs, ones
     return rows
@@ -142,8 +142,8 @@ def fresh_controls(args, names: tuple[str, ...] = CONTROLLED, processes: int | N
         per_build = [b for r in runs for b in r["per_build"]]
         rows.append({"optimizer": name, "inner": [r["inner"] for r in runs], "builds": builds,
                      "processes": processes,
-                     "aa": _over_builds([b["aa"] for b in per_build]),
-                     "same_tensors": _over_builds([b["same_tensors"] for b in per_build]),
+                     "aa": over_builds([b["aa"] for b in per_build]),
+                     "same_tensors": over_builds([b["same_tensors"] for b in per_build]),
                      "per_process": [{"aa": r["aa"], "same_tensors": r["same_tensors"]} for r in runs],
                      "per_build": per_build,
                      "raw_ms": {k: [t for r in runs for t in r["raw_ms"][k]] for k in runs[0]["raw_ms"]}})

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import nonans_optim as no
-from experiments.overhead_controls import spread, switched
+from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import fmt, publish
 from experiments.step_time import ROOT, interleaved, machine_info
 
@@ -98,8 +98,7 @@ def _combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "off_ms": statistics.median(r["off_ms"] for r in per)}
         for key in ("repair", "aa", "off_vs_torch_fused"):
             if key in row:
-                meds = [r[key]["median"] for r in per]
-                comb[key] = {"median": statistics.median(meds), "low": min(meds), "high": max(meds)}
+                comb[key] = over_builds([r[key] for r in per])  # here a process's row, not a build, per entry
         out.append(comb)
     return out
 
