@@ -41,6 +41,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "momentum-dtype": ("momentum_dtype.json", "experiments.momentum_dtype:render"),
     "ns5-method": ("ns5_method.json", "experiments.ns5_method:render"),
     "simd": ("simd.json", "experiments.simd:render"),
+    "simd-avx512": ("simd_avx512.json", "experiments.simd:render"),
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),

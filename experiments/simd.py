@@ -12,7 +12,10 @@ between "off" and "repair" between samples (the same tensors, as in ``experiment
 with a second "off" arm as the A/A. torch's own fused AdamW on a copy of the same tensor is the scale, paired
 with "off" in rounds of their own.
 
-Output: ``results/simd.json`` and the table between ``<!-- simd:begin/end -->`` in RESULTS.md.
+Output: one JSON and one RESULTS.md section per kind of CPU, so that a run on one kind does not replace
+another kind's numbers: a CPU with AVX-512 writes ``results/simd_avx512.json`` and the section between
+``<!-- simd-avx512:begin/end -->``; any other CPU (AVX2 only, or neither) ``results/simd.json`` and
+``<!-- simd:begin/end -->`` (:func:`section`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import fmt, publish
 from experiments.step_time import ROOT, interleaved, machine_info
 
-__all__ = ["run", "render", "main"]
+__all__ = ["run", "render", "section", "main", "JSON"]
 
 CPU = torch.device("cpu")
 MODES = ("portable", "avx2", "auto")
@@ -125,13 +128,24 @@ def _cpu_simd_flags() -> list[str]:
     return sorted(set(native._cpu_flags().split()) & {"avx2", "fma", "avx512f", "avx512dq", "avx512_bf16"})
 
 
+def section(data: dict[str, Any]) -> str:
+    """The RESULTS.md section (and JSON, :data:`JSON`) of a run: the AVX-512 machines' numbers apart from the
+    others', which are a different default build."""
+    return "simd-avx512" if "avx512f" in data["cpu_flags"] else "simd"
+
+
+JSON = {"simd": "simd.json", "simd-avx512": "simd_avx512.json"}
+TITLES = {"simd": "Repair overhead by native SIMD build, CPU without AVX-512 (issue 3)",
+          "simd-avx512": "Repair overhead by native SIMD build, CPU with AVX-512 (issue 3)"}
+
+
 def _name(b: dict[str, Any]) -> str:
     return {0: "portable C", 256: "AVX2", 512: "AVX-512"}.get(b["simd_width"], str(b["simd_width"]))
 
 
 def render(data: dict[str, Any]) -> str:
     m = data["machine"]
-    lines = [f"Command: `{data['command']}` (JSON: `results/simd.json`), measured {m['date']} on {m['cpu']}, "
+    lines = [f"Command: `{data['command']}` (JSON: `results/{JSON[section(data)]}`), measured {m['date']} on {m['cpu']}, "
              f"{m['cores']} cores, {data['threads']} torch threads, torch {m['torch']}; CPU SIMD flags: "
              f"{', '.join(data['cpu_flags']) or 'none'}. Clean steps of the default `impl` (the native loops) on "
              "one fp32 tensor; each build in fresh processes of its own; in each, one optimizer whose policy is "
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--processes", type=int, default=None, help="fresh processes per build")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(ROOT / "results" / "simd.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default: results/simd_avx512.json on a CPU with AVX-512, else results/simd.json)")
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 21)
@@ -182,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_measure(args)))
         return 0
     data = run(args)
-    publish(data, Path(args.out), render(data), args.results_md, "simd",
-            "Repair overhead by native SIMD build (issue 3)")
+    key = section(data)
+    publish(data, Path(args.out or ROOT / "results" / JSON[key]), render(data), args.results_md, key, TITLES[key])
     return 0
 
 

@@ -68,3 +68,15 @@ def test_sections_without_json_are_left_alone(tmp_path, capsys):
     (empty / "questions").mkdir()  # a questions folder without a question's JSON: that one is "not run yet"
     assert render_main(["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]) == 0
     assert "**Not run yet.**" in oq.read_text()
+
+
+def test_simd_runs_keep_one_section_per_kind_of_cpu():
+    """A run of ``experiments simd`` on a CPU with AVX-512 goes to its own JSON and section, so it does not
+    replace the numbers of a CPU without it (a different default build), and the other way round."""
+    from experiments.questions_io import read_json
+    from experiments.simd import render, section
+    data = read_json(ROOT / "results" / "simd.json")
+    for flags, key in ((["avx2", "fma"], "simd"), ([], "simd"), (["avx2", "avx512f", "fma"], "simd-avx512")):
+        run = {**data, "cpu_flags": flags}
+        assert section(run) == key
+        assert f"(JSON: `results/{SECTIONS[key][0]}`)" in render(run)
