@@ -117,7 +117,8 @@ def _count(cond, mask, MASKED: tl.constexpr):
 @triton.jit
 def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, ALIGNED: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """SS[pid] = Σ g² and BAD[pid] = #non-finite g over this program's block."""
+    """SS[pid] = Σ g² (float64: finite for finite entries, see functional/spike.py) and BAD[pid] =
+    #non-finite g over this program's block."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
     idx = tl.arange(0, BLOCK)
@@ -125,7 +126,8 @@ def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, A
         g = _load(g_ptr, idx, idx < rem, False)
     else:
         g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
-    tl.store(SS + pid, tl.sum(g * g, axis=0))
+    g64 = g.to(tl.float64)
+    tl.store(SS + pid, tl.sum(g64 * g64, axis=0))
     tl.store(BAD + pid, tl.sum((~_finite(g)).to(tl.int32), axis=0))
 
 
@@ -137,7 +139,7 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, fact
     update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing."""
     t = tl.program_id(0)
     b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
-    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float64)
     bad = tl.zeros((RBLOCK,), dtype=tl.int32)
     for start in range(b0, b1, RBLOCK):
         idx = start + tl.arange(0, RBLOCK)
@@ -149,15 +151,19 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, fact
     new_ema = 0.0
     trig = nbad < 0  # False
     if GUARD:
-        norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+        # float64, as spike_scale's comparison and cap / norm (sqrt and / on fp64 are the IEEE-rounded
+        # sqrt.rn.f64 and div.rn.f64: sqrt_rn/div_rn exist for fp32 only, whose defaults are approximate)
+        norm = tl.sqrt(tl.sum(acc, axis=0))
         ema = tl.load(EMA + sel)
         fin = _finite(norm)
         seeded = ema > 0.0
         cap = factor * ema
-        trig = fin & seeded & (norm > cap)
-        scale = tl.where(trig, tl.div_rn(cap, norm), 1.0)
-        observed = tl.where(trig, cap, norm)
-        new_ema = tl.where(fin, tl.where(seeded, ema * beta + (1.0 - beta) * observed, norm), ema)
+        cap64 = cap.to(tl.float64)
+        trig = fin & seeded & (norm > cap64)
+        scale = tl.where(trig, (cap64 / norm).to(tl.float32), 1.0)
+        observed = tl.where(trig, cap, norm.to(tl.float32))
+        fits = fin & _finite(observed)
+        new_ema = tl.where(fits, tl.where(seeded, ema * beta + (1.0 - beta) * observed, observed), ema)
     hold = nbad < 0  # False
     keep_all = nbad < 0
     if POLICY == 1:  # a persistent whole-tensor loss: every entry bad, and an event within the window
@@ -344,7 +350,7 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
         dec = dec_flags = dense = scale = ema = None
         if res is not None:
             scale, recent, ema, dense = res
-            ss = torch.empty(nblocks, dtype=torch.float32, device=device)
+            ss = torch.empty(nblocks, dtype=torch.float64, device=device)
             bad = torch.empty(nblocks, dtype=torch.int32, device=device)
             _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, TY=ty, ALIGNED=aligned,
                                       BLOCK=block, num_warps=warps)

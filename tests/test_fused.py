@@ -84,7 +84,9 @@ def test_fused_matches_loop(cls, policy, factor):
     assert all(torch.isfinite(p).all() for p in got)
     assert_resolution_matches(ref_opt, got_opt)
     stages = {e[2] for e in event_tuples(got_opt)}
-    assert {"grad", "moment"} <= stages, stages  # every injected kind was seen
+    # every injected kind was seen; under the guard the finite giants of steps 2-4 are spikes too (their
+    # float64 norm is far above the cap), rescaled before they can overflow a moment
+    assert ({"grad", "moment"} if factor is None else {"grad", "spike"}) <= stages, stages
     assert ("spike" in stages) == (factor is not None), stages
     if policy == "repair":  # the repeated whole-tensor loss held the vector on step 3 (4 with 1-based steps)
         assert got_opt.state["nonans"]["resolution"]["escalations"].sum() > 0

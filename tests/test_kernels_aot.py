@@ -172,13 +172,13 @@ def test_scalar_step_kernels(policy, param):
     ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
     table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
     if policy:
-        stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp32", BAD="*i32"),
+        stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp64", BAD="*i32"),
                                    dict(TY=ty, ALIGNED=True, BLOCK=2048), num_warps=8)
         _binary_ok(stats)
         assert re.search(r"ld\.global(\.\w+)*\.v[24]", stats.asm["ptx"]), "full blocks: vector loads"
         for guard in (False, True):
             _binary_ok(compile_for_hopper(
-                _decide_kernel, dict(SS="*fp32", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32",
+                _decide_kernel, dict(SS="*fp64", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32",
                                      RECENT="*i1" if policy == 1 else "*i32", DEC="*fp32", FLAGS_OUT="*i32",
                                      factor="fp32", beta="fp32"),
                 dict(POLICY=policy, GUARD=guard, RBLOCK=1024), num_warps=1))

@@ -14,6 +14,14 @@ We use the norm ratio: with ``ema`` the running mean of this tensor's gradient n
 change is followed within a few steps (the EMA grows by β + (1-β)k per step) while a one-step spike moves
 nothing. NaN-safe by construction: a non-finite norm never triggers and never enters the EMA, and the
 rescale is a ``where``-selected factor (exactly 1.0 when not triggered, so a clean step is bit-identical).
+
+The norm is taken in float64. In fp32 the sum of squares overflows as soon as one entry exceeds about
+1.8e19 (g² > FLT_MAX), and the guard then saw a "non-finite norm" and let the largest finite spikes — the
+ones it exists for — through untouched: the raw gradient overflowed v, the moment stage kept the old v, and
+m/√v took a step of the spike's size (found by a differential soak, impl="fused" against impl="loop": torch's
+fp32 norm returns |g| for a one-entry tensor, the C loop's sum of squares overflowed). In float64 the norm of
+finite fp32/bf16/fp16 entries is finite, so it triggers with scale cap/‖g‖; only the EMA needs an fp32 value,
+and a norm beyond FLT_MAX never seeds it.
 The default factor, 10, was chosen by ``python -m experiments spikes`` (RESULTS.md, "spikes"): the
 largest factor with zero triggers on clean runs that recovers the most spiked runs (14 of 16 cells there,
 against 7 of 16 unguarded). Its margin is thin — the largest clean norm ratio seen was about 6 — so a
@@ -36,16 +44,23 @@ SPIKE_BETA = 0.9
 
 def spike_scale(norms: torch.Tensor, ema: torch.Tensor, factor: float, *, beta: float = SPIKE_BETA
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The guard's arithmetic on the (n,) fp32 vector of gradient norms: (scale to multiply each gradient
-    by — exactly 1.0 unless triggered —, new EMA, trigger). Pure and shape-static, so the eager guard below
-    and the compiled kernels (``optimizers/_compiled*.py``) share it."""
+    """The guard's arithmetic on the (n,) vector of gradient norms (float64: see the module docstring; a
+    lower precision is widened): (fp32 scale to multiply each gradient by — exactly 1.0 unless triggered —,
+    new fp32 EMA, trigger). Pure and shape-static, so the eager guard below and the compiled kernels
+    (``optimizers/_compiled*.py``) share it; the native loops (``native/common.h::spike_``) and the Triton
+    decision kernel (``kernels/scalar_step.py``) compute the same, op for op.
+
+    The comparison and cap/‖g‖ are float64 (a norm above FLT_MAX still triggers, with a finite scale); the
+    EMA arithmetic stays fp32, and a value that is not finite in fp32 never enters it."""
+    norms = norms.double()
     finite = norms.abs() < float("inf")
     seeded = ema > 0
     cap = factor * ema
-    trigger = finite & seeded & (norms > cap)
-    scale = torch.where(trigger, cap / norms, torch.ones_like(norms))
-    observed = torch.where(trigger, cap, norms)
-    new_ema = torch.where(finite, torch.where(seeded, ema * beta + (1 - beta) * observed, norms), ema)
+    trigger = finite & seeded & (norms > cap.double())
+    scale = torch.where(trigger, (cap.double() / norms).float(), torch.ones_like(ema))
+    observed = torch.where(trigger, cap, norms.float())
+    fits = finite & (observed.abs() < float("inf"))
+    new_ema = torch.where(fits, torch.where(seeded, ema * beta + (1 - beta) * observed, observed), ema)
     return scale, new_ema, trigger
 
 
@@ -54,7 +69,7 @@ def spike_guard(grads: list[torch.Tensor], ema: torch.Tensor, factor: float, *, 
     """Return (guarded gradients — new tensors, ``p.grad`` is never touched —, new EMA (n,), trigger (n,)).
 
     ``ema`` holds one fp32 norm EMA per gradient, 0 meaning "not seeded yet" (the first finite norm seeds)."""
-    norms = torch.stack(torch._foreach_norm(grads)).float()
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
     scale, new_ema, trigger = spike_scale(norms, ema, factor, beta=beta)
     guarded = [g * s.to(g.dtype) for g, s in zip(grads, scale.unbind())]
     return guarded, new_ema, trigger

@@ -21,15 +21,27 @@ static inline float lerpf_(float a, float b, float w) {
     return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
-/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor, in fp32. */
-static inline float spike_(float norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
-    const int fin = finitef_(norm), seeded = ema > 0.0f;
+/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor: the norm in double
+ * (finite whenever every entry is: see sumsq_exact_), the comparison and cap/norm in double, the EMA in
+ * fp32 — a norm beyond FLT_MAX triggers with a finite scale but never seeds the EMA. */
+static inline float spike_(double norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
+    const int fin = fabs(norm) < INFINITY, seeded = ema > 0.0f;
     const float cap = factor * ema;
-    const int t = fin && seeded && norm > cap;
-    const float observed = t ? cap : norm;
-    *new_ema = fin ? (seeded ? ema * beta + one_m_beta * observed : norm) : ema;
+    const int t = fin && seeded && norm > (double)cap;
+    const float observed = t ? cap : (float)norm;
+    *new_ema = fin && finitef_(observed) ? (seeded ? ema * beta + one_m_beta * observed : observed) : ema;
     *trig = t;
-    return t ? cap / norm : 1.0f;
+    return t ? (float)((double)cap / norm) : 1.0f;
+}
+
+/* Σ x² over x[0, n) in double, in order: the fallback of a pass-1 sum of squares that overflowed fp32
+ * although every entry was finite (one entry above about 1.8e19 suffices). Finite for any finite fp32
+ * entries (n·FLT_MAX² is far below DBL_MAX), so the spike guard sees the spike instead of a non-finite
+ * norm, which it would have let through. Rare, so scalar and in a fixed order (the same in every build). */
+static inline double sumsq_exact_(const float *x, int64_t n) {
+    double acc = 0.0;
+    for (int64_t j = 0; j < n; j++) acc += (double)x[j] * (double)x[j];
+    return acc;
 }
 
 /* Resolution.recent() for the parameter at global index j: an event within the repeat window, the hold

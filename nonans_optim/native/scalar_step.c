@@ -215,9 +215,10 @@ static inline __attribute__((always_inline)) void update_range(
 /* Pass 1 over one BLOCK-sized chunk of g: its sum of squares (fp32 lanes, full vector width; a double
  * accumulator halved it and made the pass compute-bound) and its non-finite count. The chunk sums are
  * added in chunk order afterwards, so the norm — and a triggered spike guard's scale — does not depend
- * on the thread count. An fp32 chunk sum overflows only where the fp32 norms of the other
- * implementations overflow too. Any NaN or ±Inf entry makes the sum non-finite, so only such a chunk
- * (rare) is read again to count them. */
+ * on the thread count. Any NaN or ±Inf entry makes the sum non-finite, so only such a chunk (rare) is
+ * read again to count them; a chunk whose sum overflowed with every entry finite is summed again in double
+ * (sumsq_exact_), since the guard's norm must stay finite exactly where the gradient is (the float64 norm
+ * of the other implementations, functional/spike.py). */
 static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double *ss, int64_t *bad) {
 #ifdef NONANS_AVX512
     const float part = sumsq_avx512(g, b0, b1);
@@ -229,7 +230,7 @@ static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double 
 #pragma omp simd reduction(+ : nbb)
         for (int64_t j = b0; j < b1; j++) nbb += !finitef_(g[j]);
     }
-    *ss = part;
+    *ss = !finitef_(part) && nbb == 0 ? sumsq_exact_(g + b0, b1 - b0) : part; /* finite squares overflowed */
     *bad = nbb;
 }
 
@@ -322,7 +323,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
                 if (guard) { /* ema is only written after the parallel region: every thread reads the old value */
                     float ne;
                     int tr;
-                    s = spike_((float)sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
+                    s = spike_(sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
                 hold = policy == POLICY_REPAIR && rec && nbad == N;

@@ -275,8 +275,9 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
 #pragma omp simd reduction(+ : part_ss)
                     for (int64_t j = 0; j < C; j++) part_ss += gr[j] * gr[j];
                     /* A NaN or ±Inf entry makes the row's sum non-finite: only such a row (or one whose
-                     * squares overflowed) is read again to count them — per-entry counters in the loop
-                     * above cost more than the sum (see native/simd_avx512.h). */
+                     * squares overflowed, then summed again in double: sumsq_exact_) is read again to count
+                     * them — per-entry counters in the loop above cost more than the sum (see
+                     * native/simd_avx512.h). */
                     if (!finitef_(part_ss)) {
 #pragma omp simd reduction(+ : nn, nb)
                         for (int64_t j = 0; j < C; j++) {
@@ -284,7 +285,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                             nb += !finitef_(gr[j]);
                         }
                     }
-                    gsq[r] = part_ss;
+                    gsq[r] = !finitef_(part_ss) && nb == 0 ? sumsq_exact_(gr, C) : part_ss; /* squares overflowed */
                     nan_c += nn;
                     bad_c += nb;
                     row_ok[row_off[i] + r] = nb == 0;
@@ -309,7 +310,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                 if (guard) { /* ema is only written after the parallel region */
                     float ne;
                     int tr;
-                    s = spike_((float)sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
+                    s = spike_(sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
                 /* bit 0, hold: no finite entry and a recent event (the loop's hold_flag, under "repair" and

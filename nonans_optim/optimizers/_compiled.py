@@ -77,11 +77,13 @@ def nonfinite_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def guard_spikes(grads: list[torch.Tensor], ema: torch.Tensor, sel: torch.Tensor, factor: float | None):
     """In-graph spike guard (the eager guard's arithmetic): returns (per-tensor scales — multiply each
     gradient by its own, inside the consuming loop —, spike rows (n, 2)), or (None, None) without a
-    factor; updates the norm EMAs of ``sel`` in place. A scale is finite and > 0, so it changes no
-    entry's finiteness: the gradient counts can be taken on the raw gradient in the norm's pass."""
+    factor; updates the norm EMAs of ``sel`` in place. A scale is finite and ≥ 0 (0 only where cap/‖g‖
+    underflows fp32), and is not 1 only for a gradient whose entries are all finite (a non-finite norm never
+    triggers), so it changes no entry's finiteness: the gradient counts can be taken on the raw gradient in
+    the norm's pass."""
     if factor is None:
         return None, None
-    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).float()
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])  # spike.py: why float64
     scale, new_ema, trigger = spike_scale(norms, ema.index_select(0, sel), factor)
     ema.index_copy_(0, sel, new_ema)
     flags = trigger.to(torch.int64)
