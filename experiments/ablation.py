@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -188,8 +189,8 @@ def plot(data: dict[str, Any], outdir=RESULTS) -> None:
         save_figure(fig, outdir / f"ablation_{task}.png")
 
 
-def write_markdown(data: dict[str, Any]) -> None:
-    replace_section(ROOT / "RESULTS.md", "ablation", render(data), title="Case-study ablation (issue 6)")
+def write_markdown(data: dict[str, Any], results_md: Path | str = ROOT / "RESULTS.md") -> None:
+    replace_section(Path(results_md), "ablation", render(data), title="Case-study ablation (issue 6)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(JSON_PATH))
     ap.add_argument("--render-only", action="store_true")
-    ap.add_argument("--no-markdown", action="store_true", help="write JSON/PNG only (tests)")
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
+    ap.add_argument("--no-markdown", action="store_true", help="the same as --results-md ''")
     args = ap.parse_args(argv)
-    from pathlib import Path
     out = Path(args.out)
     if args.render_only:
         data = read_json(out)
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, data)
         print(f"[ablation] wrote {out} in {data['wall_s']:.0f} s")
     plot(data, out.parent)
-    if not args.no_markdown:
-        write_markdown(data)
+    if args.results_md and not args.no_markdown:
+        write_markdown(data, args.results_md)
     print(render(data))
     return 0

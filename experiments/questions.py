@@ -155,11 +155,13 @@ def polyak_section(pol: dict[str, Any]) -> str:
             "`results/questions/q5.png`).\n\n" + render_polyak(pol) + "\n\n" + V.v_q5(pol))
 
 
-def write_markdown(out: Path = OUT) -> None:
-    (ROOT / "OPEN_QUESTIONS.md").write_text(render_open_questions(out))
+def write_markdown(out: Path = OUT, results_md: Path | str = ROOT / "RESULTS.md") -> None:
+    """OPEN_QUESTIONS.md (beside ``results_md``) whole, and ``results_md``'s Polyak section."""
+    results_md = Path(results_md)
+    (results_md.parent / "OPEN_QUESTIONS.md").write_text(render_open_questions(out))
     pol = read_json(out / "q5.json")
     if pol is not None:
-        replace_section(ROOT / "RESULTS.md", "polyak", polyak_section(pol), title="Polyak instrumentation (issue 6)")
+        replace_section(results_md, "polyak", polyak_section(pol), title="Polyak instrumentation (issue 6)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny settings (smoke tests); results marked quick")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-markdown", action="store_true")
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"),
+                    help="RESULTS.md to update (OPEN_QUESTIONS.md beside it); '' to skip rendering")
+    ap.add_argument("--no-markdown", action="store_true", help="the same as --results-md ''")
     args = ap.parse_args(argv)
     out = Path(args.out)
     names = [ALIASES.get(n, n) for n in (args.names or list(QUESTIONS))]
@@ -183,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             run_one(n, quick=args.quick, out=out)
         print(f"[questions] total {time.perf_counter() - t0:.0f} s")
-    if not args.no_markdown:
-        write_markdown(out)
+    if args.results_md and not args.no_markdown:
+        write_markdown(out, args.results_md)
     else:
         print(render_open_questions(out))
     return 0

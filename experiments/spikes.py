@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(JSON_PATH))
     ap.add_argument("--render-only", action="store_true")
-    ap.add_argument("--no-markdown", action="store_true", help="write JSON/PNG only (tests)")
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
+    ap.add_argument("--no-markdown", action="store_true", help="the same as --results-md ''")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.render_only:
@@ -389,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, data)
         print(f"[spikes] wrote {out} in {data['wall_s']:.0f} s")
     plot(data, out.with_suffix(".png"))
-    if not args.no_markdown:
-        replace_section(ROOT / "RESULTS.md", "spikes", render(data),
+    if args.results_md and not args.no_markdown:
+        replace_section(Path(args.results_md), "spikes", render(data),
                         title="Finite gradient spikes: the spike_factor guard (issue 3)")
     print(render(data))
     print(f"[spikes] default spike_factor = {data['decision']['default']} ({data['decision']['why']})")

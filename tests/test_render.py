@@ -80,3 +80,14 @@ def test_simd_runs_keep_one_section_per_kind_of_cpu():
         run = {**data, "cpu_flags": flags}
         assert section(run) == key
         assert f"(JSON: `results/{SECTIONS[key][0]}`)" in render(run)
+
+
+@pytest.mark.parametrize("name", sorted(set(COMMANDS) - {"render"}))
+def test_every_experiment_can_skip_rendering_the_same_way(name, capsys):
+    """``--results-md ''`` runs an experiment without touching RESULTS.md, in every command alike (three of
+    them only knew ``--no-markdown``, and refused the flag every other one takes)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    assert "--results-md" in capsys.readouterr().out
