@@ -166,7 +166,8 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, fact
         new_ema = tl.where(fits, tl.where(seeded, ema * beta + (1.0 - beta) * observed, observed), ema)
     hold = nbad < 0  # False
     keep_all = nbad < 0
-    if POLICY == 1:  # a persistent whole-tensor loss: every entry bad, and an event within the window
+    if POLICY != 0:  # a persistent whole-tensor loss: every entry bad, and an event within the window
+        # (under "repair" and "skip", as the loop's _common.hold_flag: a held "skip" tensor counts no update)
         hold = (tl.load(RECENT + sel) != 0) & (nbad.to(tl.int64) == tl.load(NUMEL + t))
     if POLICY == 2:
         keep_all = nbad > 0
@@ -356,7 +357,7 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
                                       BLOCK=block, num_warps=warps)
             dec = torch.empty(n, 2, dtype=torch.float32, device=device)
             dec_flags = torch.empty(n, dtype=torch.int32, device=device)
-            rec = recent if recent is not None else dec_flags  # never read unless policy is "repair"
+            rec = recent if recent is not None else dec_flags  # read under "repair" and "skip"
             _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, rec, dec, dec_flags,
                                  float(factor or 0.0), SPIKE_BETA,
                                  POLICY=code, GUARD=factor is not None, RBLOCK=_RBLOCK, num_warps=1)

@@ -141,3 +141,33 @@ def assert_resolution_matches(ref_opt, got_opt, *, ema_rtol: float = 1e-5) -> No
     torch.testing.assert_close(got_res["grad_norm_ema"], ref_res["grad_norm_ema"], rtol=ema_rtol, atol=0)
     assert event_tuples(got_opt) == event_tuples(ref_opt)
 
+
+
+def assert_skip_holds_as_the_loop_does(cls, impl: str, device: str = "cpu") -> None:
+    """A persistent whole-tensor loss under "skip" (twice all-NaN within the repeat window), the second
+    time on finite state whose update overflows: ``impl`` holds the tensor as impl="loop" does — same
+    events (no "update" count on the held step), parameters and escalation scale."""
+    def run(which):
+        p = torch.nn.Parameter(torch.ones(40, device=device))
+        opt = cls([p], lr=1e-2, impl=which, resolution="skip")
+        for step in range(4):
+            g = torch.randn(40, generator=torch.Generator().manual_seed(step)).to(device)
+            if step >= 2:
+                g.fill_(float("nan"))
+            if step == 3:  # finite state whose update overflows: m / bc1 (AdamW), z - p in the lerp (SF)
+                with torch.no_grad():
+                    if "z" in opt.state[p]:
+                        opt.state[p]["z"][:5], p[:5] = 3e38, -3e38
+                    else:
+                        opt.state[p]["exp_avg"][:5] = 3e38
+            p.grad = g
+            opt.step()
+            assert torch.isfinite(p).all()
+        return p, opt
+
+    (ref, ref_opt), (got, got_opt) = run("loop"), run(impl)
+    assert not [e for e in event_tuples(ref_opt) if e[0] == 4 and e[2] == "update"]  # held: nothing counted
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+    torch.testing.assert_close(got, ref)
+    res = [o.state["nonans"]["resolution"]["scale"] for o in (ref_opt, got_opt)]
+    assert torch.equal(res[0].cpu(), res[1].cpu())

@@ -179,7 +179,7 @@ def test_scalar_step_kernels(policy, param):
         for guard in (False, True):
             _binary_ok(compile_for_hopper(
                 _decide_kernel, dict(SS="*fp64", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32",
-                                     RECENT="*i1" if policy == 1 else "*i32", DEC="*fp32", FLAGS_OUT="*i32",
+                                     RECENT="*i1", DEC="*fp32", FLAGS_OUT="*i32",
                                      factor="fp32", beta="fp32"),
                 dict(POLICY=policy, GUARD=guard, RBLOCK=1024), num_warps=1))
     update_types = dict(table, BC="*fp32", HP="*fp32", GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DEC="*fp32",

@@ -29,7 +29,7 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import (assert_params_and_state_close, assert_resolution_matches,  # noqa: E402
-                         event_tuples)
+                         assert_skip_holds_as_the_loop_does, event_tuples)
 from test_fused import _run  # noqa: E402  (its fault sequence, on any device)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -169,6 +169,19 @@ def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
         assert stages <= {e[2] for e in event_tuples(got_opt)}
 
 
+def case_skip_holds_as_the_loop_does(device, cls, monkeypatch):
+    """"skip" holds a persistent whole-tensor loss as the loop does (the decision kernel held only under
+    "repair")."""
+    from nonans_optim.optimizers import _fused
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the Triton path fell back to impl='compiled'")
+
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
+    assert_skip_holds_as_the_loop_does(cls, "fused", device=device)
+
+
 def case_launch_failure_falls_back(device, monkeypatch):
     """A kernel that fails to launch (a compile error on another Triton version) must leave nothing
     half-done: one warning, the step counts put back, and the step — and every later one — runs
@@ -235,14 +248,19 @@ def _define(device, marks=()):
     def test_launch_failure_falls_back(monkeypatch):
         case_launch_failure_falls_back(device, monkeypatch)
 
+    @mark
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_skip_holds_as_the_loop_does(cls, monkeypatch):
+        case_skip_holds_as_the_loop_does(device, cls, monkeypatch)
+
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
-            test_launch_failure_falls_back, test_fp16_overflow_as_stored)
+            test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does)
 
 
 if INTERPRETED:
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
-     test_launch_failure_falls_back, test_fp16_overflow_as_stored) = _define("cpu")
+     test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -271,7 +289,7 @@ else:
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
      test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
-     test_gpu_fp16_overflow_as_stored) = _define("cuda", marks=gpu)
+     test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

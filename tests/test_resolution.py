@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nonans_optim as no
-from optim_infos import IDS, INFOS, impl_cases, impl_ids, loss_fn, make_batch, make_model, state_tensors, train_steps
+from optim_infos import (IDS, INFOS, assert_skip_holds_as_the_loop_does, impl_cases, impl_ids, loss_fn, make_batch,
+                         make_model, state_tensors, train_steps)
 
 BAD = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
@@ -377,3 +378,15 @@ def test_persistent_whole_tensor_loss_holds_after_one_continuation_step(info):
     assert not torch.equal(snapshots[0], snapshots[1]), "first whole-tensor event: continuation step"
     assert torch.equal(snapshots[1], snapshots[2]) and torch.equal(snapshots[2], after), "repeats hold"
     assert all_finite(model, opt)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "compiled", "fused"])
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_skip_holds_a_persistent_loss_as_the_loop_does(cls, impl):
+    """"skip" applies the hold rule as "repair" does (the loop's ``_common.hold_flag``): a tensor whose
+    gradient is entirely non-finite again within the repeat window writes nothing and counts no update —
+    even where the update from its stale state would not be finite. The compiled, native and Triton scalar
+    paths held only under "repair", so they counted that update, and the extra event fed the escalation
+    (found by a differential soak of impl="fused" against impl="loop"; the Triton path runs this in
+    tests/test_kernels_scalar_step.py)."""
+    assert_skip_holds_as_the_loop_does(cls, impl)

@@ -308,7 +308,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
             const float *gi = g[i];
             /* The same decision on every thread (all read the same inputs), so either all or none reach
              * the barrier. The hold rule needs a pre-pass only when the first entry is already bad. */
-            const int rec = policy == POLICY_REPAIR && recent[i];
+            const int rec = gate && recent[i]; /* the hold rule, under "repair" and "skip" as the loop's hold_flag */
             const int need1 = policy == POLICY_SKIP || guard || (rec && !finitef_(gi[0]));
             float s = 1.0f;
             int hold = 0, keep_all = 0;
@@ -326,7 +326,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
                     s = spike_(sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
-                hold = policy == POLICY_REPAIR && rec && nbad == N;
+                hold = rec && nbad == N;
                 keep_all = policy == POLICY_SKIP && nbad > 0;
             }
             int64_t *out = &cnt[(i * T + tid) * NCOUNT];

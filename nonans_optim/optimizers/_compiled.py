@@ -189,7 +189,7 @@ def _group_kernel(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, sf: bool,
     spike_scales, spike = guard_spikes(grads, ema, sel, factor)
     lrs, rec = gamma * scale.index_select(0, sel), recent.index_select(0, sel)
     rows = [_one_tensor(p, g, m, v, z, lrs[i], bcs[i, 0], bcs[i, 1], hp, sf, policy, decay_z,
-                        rec[i] if policy == "repair" else None,
+                        rec[i],  # the hold rule, under "repair" and "skip" (_common.hold_flag)
                         spike_scales[i] if spike_scales is not None else None)
             for i, (p, g, m, v, z) in enumerate(zip(params, grads, ms, vs, zs))]
     per_stage = {s: torch.stack([r[s] for r in rows]) for s in ("grad", "moment", "update")}
