@@ -22,6 +22,7 @@ m/√v took a step of the spike's size (found by a differential soak, impl="fuse
 fp32 norm returns |g| for a one-entry tensor, the C loop's sum of squares overflowed). In float64 the norm of
 finite fp32/bf16/fp16 entries is finite, so it triggers with scale cap/‖g‖; only the EMA needs an fp32 value,
 and a norm beyond FLT_MAX never seeds it.
+
 The default factor, 10, was chosen by ``python -m experiments spikes`` (RESULTS.md, "spikes"): the
 largest factor with zero triggers on clean runs that recovers the most spiked runs (14 of 16 cells there,
 against 7 of 16 unguarded). Its margin is thin — the largest clean norm ratio seen was about 6 — so a
