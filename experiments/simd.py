@@ -34,6 +34,7 @@ import torch
 import nonans_optim as no
 from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import fmt, publish
+from experiments.render import SECTIONS
 from experiments.step_time import ROOT, interleaved, machine_info
 
 __all__ = ["run", "render", "section", "main", "JSON"]
@@ -134,7 +135,7 @@ def section(data: dict[str, Any]) -> str:
     return "simd-avx512" if "avx512f" in data["cpu_flags"] else "simd"
 
 
-JSON = {"simd": "simd.json", "simd-avx512": "simd_avx512.json"}
+JSON = {key: SECTIONS[key][0] for key in ("simd", "simd-avx512")}  # render's registry is the one place
 TITLES = {"simd": "Repair overhead by native SIMD build, CPU without AVX-512 (issue 3)",
           "simd-avx512": "Repair overhead by native SIMD build, CPU with AVX-512 (issue 3)"}
 

@@ -142,7 +142,6 @@ def assert_resolution_matches(ref_opt, got_opt, *, ema_rtol: float = 1e-5) -> No
     assert event_tuples(got_opt) == event_tuples(ref_opt)
 
 
-
 def assert_skip_holds_as_the_loop_does(cls, impl: str, device: str = "cpu") -> None:
     """A persistent whole-tensor loss under "skip" (twice all-NaN within the repeat window), the second
     time on finite state whose update overflows: ``impl`` holds the tensor as impl="loop" does — same

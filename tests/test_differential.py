@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import nonans_optim as no
 from nonans_optim import native
-from optim_infos import event_tuples
+from optim_infos import event_tuples, state_tensors
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 
@@ -77,11 +77,10 @@ def _run_both(make, shapes, steps, threads):
                 for p, g in zip(params, gs):
                     p.grad = g.clone()
                 opt.step()
-                for p in params:
-                    assert torch.isfinite(p).all(), f"impl={impl}: a parameter turned non-finite"
-                    for k, t in opt.state[p].items():
-                        if isinstance(t, torch.Tensor) and t.is_floating_point():
-                            assert torch.isfinite(t).all(), f"impl={impl}: state[{k!r}] turned non-finite"
+                assert all(torch.isfinite(p).all() for p in params), f"impl={impl}: a parameter turned non-finite"
+                bad = [k for k, t in state_tensors(opt).items()
+                       if t.is_floating_point() and not torch.isfinite(t).all()]
+                assert not bad, f"impl={impl}: non-finite state {bad}"
             runs[impl] = opt
     finally:
         torch.set_num_threads(before)

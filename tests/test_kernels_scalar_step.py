@@ -149,7 +149,8 @@ def case_fp16_overflow_as_stored(device, sf):
     assert res[3][0, 1].tolist() == [0, 1]  # the moment stage: one overflow, as stored
 
 
-def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
+def _force_triton(monkeypatch):
+    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled"."""
     from nonans_optim.optimizers import _fused
 
     def no_fallback(*args, **kwargs):
@@ -157,6 +158,10 @@ def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
 
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
+
+
+def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
+    _force_triton(monkeypatch)
     # with the guard the finite giants of the fault sequence are spikes (rescaled before they reach a
     # moment); without it they overflow the moments: both runs, so every stage is exercised
     for factor, stages in ((10.0, {"grad", "spike"}), (None, {"grad", "moment"})):
@@ -172,13 +177,7 @@ def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
 def case_skip_holds_as_the_loop_does(device, cls, monkeypatch):
     """"skip" holds a persistent whole-tensor loss as the loop does (the decision kernel held only under
     "repair")."""
-    from nonans_optim.optimizers import _fused
-
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("the Triton path fell back to impl='compiled'")
-
-    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
+    _force_triton(monkeypatch)
     assert_skip_holds_as_the_loop_does(cls, "fused", device=device)
 
 

@@ -57,8 +57,9 @@ def spike_scale(norms: torch.Tensor, ema: torch.Tensor, factor: float, *, beta: 
     finite = norms.abs() < float("inf")
     seeded = ema > 0
     cap = factor * ema
-    trigger = finite & seeded & (norms > cap.double())
-    scale = torch.where(trigger, (cap.double() / norms).float(), torch.ones_like(ema))
+    cap64 = cap.double()
+    trigger = finite & seeded & (norms > cap64)
+    scale = torch.where(trigger, (cap64 / norms).float(), torch.ones_like(ema))
     observed = torch.where(trigger, cap, norms.float())
     fits = finite & (observed.abs() < float("inf"))
     new_ema = torch.where(fits, torch.where(seeded, ema * beta + (1 - beta) * observed, observed), ema)

@@ -22,7 +22,7 @@ static inline float lerpf_(float a, float b, float w) {
 }
 
 /* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor: the norm in double
- * (finite whenever every entry is: see sumsq_exact_), the comparison and cap/norm in double, the EMA in
+ * (finite whenever every entry is: see guard_sumsq_), the comparison and cap/norm in double, the EMA in
  * fp32 — a norm beyond FLT_MAX triggers with a finite scale but never seeds the EMA. */
 static inline float spike_(double norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
     const int fin = fabs(norm) < INFINITY, seeded = ema > 0.0f;
@@ -34,11 +34,13 @@ static inline float spike_(double norm, float ema, float factor, float beta, flo
     return t ? (float)((double)cap / norm) : 1.0f;
 }
 
-/* Σ x² over x[0, n) in double, in order: the fallback of a pass-1 sum of squares that overflowed fp32
- * although every entry was finite (one entry above about 1.8e19 suffices). Finite for any finite fp32
- * entries (n·FLT_MAX² is far below DBL_MAX), so the spike guard sees the spike instead of a non-finite
- * norm, which it would have let through. Rare, so scalar and in a fixed order (the same in every build). */
-static inline double sumsq_exact_(const float *x, int64_t n) {
+/* The sum of squares the spike guard adds up, for a run x[0, n) whose fp32 sum is part and whose count of
+ * non-finite entries is nbad: part itself, unless it overflowed although every entry was finite (one entry
+ * above about 1.8e19 suffices) — then Σ x² again in double, which is finite for any finite fp32 entries
+ * (n·FLT_MAX² is far below DBL_MAX), so the guard sees the spike instead of a non-finite norm, which it would
+ * have let through. Rare, so scalar and in a fixed order (the same in every build). */
+static inline double guard_sumsq_(float part, int64_t nbad, const float *x, int64_t n) {
+    if (fabsf(part) < INFINITY || nbad != 0) return part;
     double acc = 0.0;
     for (int64_t j = 0; j < n; j++) acc += (double)x[j] * (double)x[j];
     return acc;

@@ -217,7 +217,7 @@ static inline __attribute__((always_inline)) void update_range(
  * added in chunk order afterwards, so the norm — and a triggered spike guard's scale — does not depend
  * on the thread count. Any NaN or ±Inf entry makes the sum non-finite, so only such a chunk (rare) is
  * read again to count them; a chunk whose sum overflowed with every entry finite is summed again in double
- * (sumsq_exact_), since the guard's norm must stay finite exactly where the gradient is (the float64 norm
+ * (guard_sumsq_), since the guard's norm must stay finite exactly where the gradient is (the float64 norm
  * of the other implementations, functional/spike.py). */
 static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double *ss, int64_t *bad) {
 #ifdef NONANS_AVX512
@@ -230,7 +230,7 @@ static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double 
 #pragma omp simd reduction(+ : nbb)
         for (int64_t j = b0; j < b1; j++) nbb += !finitef_(g[j]);
     }
-    *ss = !finitef_(part) && nbb == 0 ? sumsq_exact_(g + b0, b1 - b0) : part; /* finite squares overflowed */
+    *ss = guard_sumsq_(part, nbb, g + b0, b1 - b0);
     *bad = nbb;
 }
 

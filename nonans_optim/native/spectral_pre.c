@@ -275,7 +275,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
 #pragma omp simd reduction(+ : part_ss)
                     for (int64_t j = 0; j < C; j++) part_ss += gr[j] * gr[j];
                     /* A NaN or ±Inf entry makes the row's sum non-finite: only such a row (or one whose
-                     * squares overflowed, then summed again in double: sumsq_exact_) is read again to count
+                     * squares overflowed, then summed again in double: guard_sumsq_) is read again to count
                      * them — per-entry counters in the loop above cost more than the sum (see
                      * native/simd_avx512.h). */
                     if (!finitef_(part_ss)) {
@@ -285,7 +285,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                             nb += !finitef_(gr[j]);
                         }
                     }
-                    gsq[r] = !finitef_(part_ss) && nb == 0 ? sumsq_exact_(gr, C) : part_ss; /* squares overflowed */
+                    gsq[r] = guard_sumsq_(part_ss, nb, gr, C);
                     nan_c += nn;
                     bad_c += nb;
                     row_ok[row_off[i] + r] = nb == 0;
