@@ -12,9 +12,11 @@ import math
 import numbers
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 from torch.optim import Optimizer
 
+from ._checkpoint import CARRIED, check_loadable, step_from_params, with_group_defaults
 from .functional.polyak import init_polyak
 from .functional.schedule_free import sf_weight
 from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
@@ -71,24 +73,10 @@ class NonansOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
                  spike_factor: float | None = None):
-        _check_float("lr", defaults["lr"])
         self.spike_factor = spike_factor  # validated by the property
-        _check_float("weight_decay", defaults.get("weight_decay", 0.0))
-        if "eps" in defaults:
-            _check_float("eps", defaults["eps"])
-        if "warmup_steps" in defaults:
-            defaults["warmup_steps"] = _check_int("warmup_steps", defaults["warmup_steps"])
         self.resolution_policy, self.impl = resolution, impl  # validated by the properties
+        self._check_group(defaults)  # the defaults, then every group as torch adds it (add_param_group)
         super().__init__(params, defaults)
-        seen: set[int] = set()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError("params contains duplicate parameters (a tensor appears twice)")
-                seen.add(id(p))
-                if p.is_complex():
-                    raise ValueError(f"complex parameters are not supported (got {p.dtype}); "
-                                     "view them as real with torch.view_as_real")
         self._pending_loss: torch.Tensor | None = None
         self._loss_ever_given = False
         self._training = True
@@ -165,66 +153,88 @@ class NonansOptimizer(Optimizer):
             st = self._global()
             res = Resolution(self._policy, P, self._first_param().device)
             saved = st.get("resolution")
-            if saved is not None and saved["scale"].shape[0] == P:
-                res.load_state_dict(saved)
+            if saved is not None and saved["scale"].shape[0] <= P:  # fewer: parameters added since
+                res.load_state_dict(saved, grow=True)
             self._resolution = res
             st["resolution"] = res.tensors  # the same dict from now on: record_step updates it in place
             res.policy_history = st.setdefault("resolution_policies", [])  # likewise, for set_policy
-            if not res.policy_history:
-                res.set_policy(self._policy, st["step"] if step is None else step)
+            if not res.policy_history or res.policy_history[-1][1] != self._policy:
+                # a fresh optimizer, or one that loaded a checkpoint saved under another policy: this
+                # one applies from the coming step on (events before it keep their own labels)
+                res.set_policy(self._policy, (st["step"] + bool(res.policy_history)) if step is None else step)
         if step is not None and res.policy != self._policy:  # changed since the last step: applies from this one
             res.set_policy(self._policy, step)
         return res
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        self._resolution = None  # resized (counters of existing params restart) on the next step
+        """torch's add_param_group (the constructor's groups come through here too), then the group's
+        hyperparameters checked as the constructor checks its arguments: a bad value in a group added later
+        used to pass and fail halfway through a step, earlier groups already updated. A refused group is
+        not added."""
+        super().add_param_group(param_group)  # raises for a tensor already in another group
+        try:
+            params = self.param_groups[-1]["params"]
+            if len({id(p) for p in params}) != len(params):
+                raise ValueError("params contains duplicate parameters (a tensor appears twice)")
+            complex_ = [p.dtype for p in params if p.is_complex()]
+            if complex_:
+                raise ValueError(f"complex parameters are not supported (got {complex_[0]}); "
+                                 "view them as real with torch.view_as_real")
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        self._resolution = None  # grown on next use: existing parameters keep their counters, new ones start at 0
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raise ValueError naming a bad hyperparameter of ``group`` (the defaults, or one param group);
+        subclasses add theirs. ``warmup_steps`` is normalised to an int in place."""
+        _check_float("lr", group["lr"])
+        _check_float("weight_decay", group.get("weight_decay", 0.0))
+        if "eps" in group:
+            _check_float("eps", group["eps"])
+        if "betas" in group:
+            check_betas("betas", group["betas"])
+        if "warmup_steps" in group:
+            group["warmup_steps"] = _check_int("warmup_steps", group["warmup_steps"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, after checking that the checkpoint fits this optimizer (see :meth:`_check_loadable`)."""
-        self._check_loadable(state_dict)
+        """torch's load, after checking that the checkpoint fits this optimizer (:mod:`._checkpoint`: keys,
+        and the shape of every state tensor), with group keys it lacks taken from the current groups. A
+        checkpoint without the optimizer-level state (``torch.optim.AdamW``'s) resumes the global step
+        from its parameters' ``step``."""
+        check_loadable(self, state_dict)
+        state_dict = with_group_defaults(self, state_dict)
         super().load_state_dict(state_dict)
         self._restore_buffer_dtypes(state_dict)
         self._resolution = None
         st = self.state.get("nonans")
-        if st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
+        if st is None and self._num_params():
+            step = step_from_params(state_dict)
+            if step is not None:
+                self._global()["step"] = step
+        elif st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
             self._training = bool(st.get("train_mode", True))
             device = self._first_param().device
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
                 st["resolution"] = {k: v.to(device) for k, v in st["resolution"].items()}
 
-    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """Raise, before anything is replaced, when ``state_dict`` was saved by another optimizer or
-        configuration: torch's own load checks only the group and parameter counts, so an AdamW checkpoint
-        loaded into FullFusion (or SF-NorMuon's into FullFusion) used to replace the state and then fail
-        with a KeyError inside the next step(), the optimizer's own state already gone. Counts that do not
-        match are left to torch's error. Extra keys are allowed (they are carried, not used)."""
-        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
-            return
-        name = type(self).__name__
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved.get("params", ())) != len(group["params"]):
-                return
-            missing = sorted(k for k in self.defaults if k not in saved)
-            if missing:
-                raise ValueError(f"this state_dict does not fit {name}: its param group {i} has no {missing} "
-                                 "(was it saved by another optimizer?)")
-            merged = {**saved, "params": group["params"]}
-            for j, (pid, p) in enumerate(zip(saved["params"], group["params"])):
-                st = state_dict.get("state", {}).get(pid)
-                if not st:
-                    continue
-                lacking = sorted(self._state_keys(merged, j, torch.empty_like(p, device="meta")) - set(st))
-                if lacking:
-                    raise ValueError(f"this state_dict does not fit {name}: the state of parameter {j} of "
-                                     f"group {i} (shape {tuple(p.shape)}) has no {lacking} (was it saved by "
-                                     "another optimizer, or with other components?)")
-
-    def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
-        """The state keys a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor)."""
+    def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
+        """The state a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor: then so are
+        the tensors), which a checkpoint's state must match in keys and shapes."""
         raise NotImplementedError
+
+    # copy.deepcopy and pickle: torch's __getstate__ keeps defaults, state and param_groups only
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in CARRIED if k in self.__dict__})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # also called by torch's load_state_dict, with state and groups only
+        self.__dict__.setdefault("_resolution", None)
+        self.__dict__.setdefault("_index_cache", {})
 
     def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
         """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept
@@ -241,11 +251,18 @@ class NonansOptimizer(Optimizer):
     def set_loss(self, loss: torch.Tensor | float) -> None:
         """Give this step's loss (the Polyak input). Harmless for optimizers without a Polyak step.
 
-        Keeps the tensor on its device — no sync; a NaN/Inf loss is handled inside step()."""
-        if isinstance(loss, (int, float)):
+        Keeps the tensor on its device — no sync; a NaN/Inf loss is handled inside step() (where the
+        Polyak step uses it, the multiplier falls back to 1 and a "loss" event is recorded). The Polyak
+        ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real number (numpy scalars included)
+        or a one-element real tensor; a bool or complex value is refused here rather than at the step."""
+        if isinstance(loss, numbers.Real) and not isinstance(loss, (bool, np.bool_)):
             loss = torch.tensor(float(loss))
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("set_loss expects a scalar loss (a number or a one-element tensor)")
+        if isinstance(loss, np.ndarray) and loss.size == 1 and loss.dtype.kind in "iuf":
+            loss = torch.tensor(float(loss.reshape(())))
+        if (not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dtype == torch.bool
+                or loss.is_complex()):
+            raise ValueError(f"set_loss expects a real scalar loss (a number or a one-element real tensor), "
+                             f"got {loss!r:.80}")
         self._pending_loss = loss.detach()
         self._loss_ever_given = True
 
@@ -277,6 +294,11 @@ class NonansOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
+        """One optimizer step; ``closure`` (re-evaluates the model, returns the loss) is called first, under
+        grad mode, and its loss returned, as in torch.optim. Its loss is *not* fed to the Polyak step: that
+        stays what :meth:`set_loss` turns on (call it inside the closure to opt in), so ``step(closure)``
+        takes the same step as ``closure(); step()`` — trainers that always pass a closure (Lightning's
+        automatic optimisation) would otherwise switch a 10x step multiplier on (OPEN_QUESTIONS.md, Q5)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -292,8 +314,6 @@ class NonansOptimizer(Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if not self._num_params():
             return loss
-        if loss is not None and self._pending_loss is None and isinstance(loss, torch.Tensor):
-            self.set_loss(loss)
         st = self._global()
         st["step"] += 1
         res = self._get_resolution(st["step"]) if self._policy != "off" else None
@@ -400,8 +420,10 @@ class NonansOptimizer(Optimizer):
     # ------------------------------------------------------------------ telemetry
     @property
     def events(self) -> list[SingularityEvent]:
-        """Resolved singularities of the last steps that had any (materialised now: this syncs)."""
-        if self.resolution_policy == "off" or self.state.get("nonans") is None:
+        """Resolved singularities of the last steps that had any (materialised now: this syncs). Counters
+        recorded before the policy was switched to "off" are still reported."""
+        st = self.state.get("nonans")
+        if st is None or (self.resolution_policy == "off" and "resolution" not in st):
             return []
         res = self._get_resolution()
         return res.materialise(self._param_names(), [p.numel() for p in self._all_params()])
@@ -418,9 +440,8 @@ class NonansOptimizer(Optimizer):
             out["fusion/gamma_mult"] = mult
             g0 = self.param_groups[0]
             out["fusion/gamma_curr"] = mult * float(g0["lr"]) * (_warmup(g0, st["step"]) if st else 1.0)
-        if self.resolution_policy != "off":
-            if st is not None:
-                out.update(self._get_resolution().summary())
-            else:
-                out["resolution/events_total"] = 0.0
+        if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
+            out.update(self._get_resolution().summary())
+        elif self.resolution_policy != "off":
+            out.update(Resolution.empty_summary())
         return out

@@ -34,6 +34,7 @@ overrides ``"auto"``.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from typing import Sequence
 
@@ -245,17 +246,24 @@ def ns5(
 
     Returns:
         A tensor of ``G``'s shape and dtype. Finite for every finite input; exactly zero for a zero input.
+        Not differentiable (the iteration writes into preallocated buffers): a ``G`` that requires grad is
+        refused — pass ``G.detach()``.
     """
     if G.ndim < 2:
         raise ValueError(f"ns5 needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
     if not G.is_floating_point():
         raise ValueError(f"ns5 needs a floating-point tensor, got {G.dtype}")
+    if G.requires_grad and torch.is_grad_enabled():
+        raise ValueError("ns5 is not differentiable: G requires grad; pass G.detach() (or call it under "
+                         "torch.no_grad())")
     if coefficients is None:
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+            raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
         coefficients = [KELLER_COEFFICIENTS] * steps
     requested = "auto" if dtype is None else dtype
     hot = hot_dtype(G.device, requested)
+    if not hot.is_floating_point:  # an integer hot dtype would round the normalised G to zeros
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype!r}")
     requested_backend = backend
     _check_method(method, requested_backend)  # before the backend: its CUDA check would mask this error
     backend = _resolve_backend(backend, G.device, tuple(G.shape[-2:]))

@@ -39,6 +39,9 @@ POLICIES = ("repair", "skip", "off")
 # running mean and was rescaled (counts: [0, 1]).
 STAGES = ("grad", "moment", "direction", "update", "loss", "spike")
 STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
+# The stages that are a parameter's own: "loss" is the optimizer's (kept in row 0 of the count block),
+# so it is reported but never counts toward a parameter's escalation or hold rule.
+PARAM_STAGES = tuple(s != "loss" for s in STAGES)
 
 # What was done about it, by policy. Escalation is reported separately (it rides on either action).
 ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
@@ -97,10 +100,17 @@ def tensor_counts(total: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class SingularityEvent:
     """One resolved singularity: at optimizer ``step``, on parameter ``param`` (its name when the
-    optimizer was given named parameters, else its index in ``state_dict()`` order), in ``stage``."""
+    optimizer was given named parameters, else its index in ``state_dict()`` order), in ``stage``.
+
+    ``nan_count``/``inf_count``: entries found NaN / ±Inf — except in the "spike" stage, where
+    ``inf_count`` is 1 for a gradient the spike guard capped (finite, counted in that column so the two
+    still add up to the stage's count; repeated spikes escalate like any event). A "loss" event (a
+    non-finite ``set_loss()`` value) belongs to no parameter: ``param`` is None and ``numel`` 1, and it
+    backs off no parameter's step size. ``escalated``: this event backed the parameter's step size off
+    (a repeat within the window). ``events`` keeps the last 64 steps that had any."""
 
     step: int
-    param: str | int
+    param: str | int | None
     stage: str
     nan_count: int
     inf_count: int
@@ -159,6 +169,7 @@ class Resolution:
         # load_state_dict — and each replacement bumps it.
         self._native_args: dict = {}
         self.generation = 0
+        self._param_mask = torch.tensor(PARAM_STAGES, device=device)
         P, S, K = num_params, len(STAGES), ring_size
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
@@ -189,7 +200,14 @@ class Resolution:
         measurably kept pushing a model further into fp16 overflow (bench workload 2: held-out CE 8.4 with
         continuation, 3.3 with the hold)."""
         t = self.tensors
-        return (t["clean_streak"] < self.repeat_window) & (t["events"].sum(-1) > 0)
+        return (t["clean_streak"] < self.repeat_window) & self._param_events(t["events"] > 0)
+
+    def _param_events(self, stage_flags: torch.Tensor) -> torch.Tensor:
+        """(P,) any of a (P, S) bool over the parameter's own stages (all but "loss")."""
+        mask = self._param_mask
+        if mask.device != stage_flags.device:
+            mask = self._param_mask = mask.to(stage_flags.device)
+        return (stage_flags & mask).any(-1)
 
     def record_step(self, step: int, step_counts: torch.Tensor, *, native: bool = False) -> None:
         """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state.
@@ -201,7 +219,7 @@ class Resolution:
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
         t = self.tensors
         stage_event = step_counts.sum(-1) > 0  # (P, S)
-        param_event = stage_event.any(-1)  # (P,)
+        param_event = self._param_events(stage_event)  # (P,): the loss stage is nobody's event
         t["counts"] += step_counts
         # Escalation: GradScaler-style backoff per parameter, gated with where (no branch, no sync).
         # Only a *repeated* event backs off: one within ``repeat_window`` steps of the previous event on the
@@ -209,7 +227,7 @@ class Resolution:
         # steps, backing off on every event measurably hurt the final loss (3x here, tests/test_resolution).
         self.generation += 1  # clean_streak and scale are replaced below: cached pointers go stale
         scale, streak = t["scale"], t["clean_streak"]
-        seen_before = t["events"].sum(-1) > 0
+        seen_before = self._param_events(t["events"] > 0)
         repeated = param_event & seen_before & (streak < self.repeat_window)
         grown = torch.remainder(streak + 1, self.growth_interval) == 0
         new_scale = torch.where(
@@ -226,7 +244,7 @@ class Resolution:
         t["ring_counts"].index_copy_(0, slot, step_counts.unsqueeze(0))
         t["ring_escalated"].index_copy_(0, slot, escalated.unsqueeze(0))
         t["ring_step"].index_copy_(0, slot, torch.full((1,), step, dtype=torch.int64, device=slot.device))
-        t["ring_ptr"] += param_event.any().to(torch.int64)
+        t["ring_ptr"] += stage_event.any().to(torch.int64)
 
     def native_record_pack(self) -> tuple | None:
         """(packed arguments, counter tensors) with which a native step folds its own counts into the
@@ -285,11 +303,23 @@ class Resolution:
             counts = t["ring_counts"][slot]
             for p_idx, s_idx in (counts.sum(-1) > 0).nonzero().tolist():
                 nan, inf = counts[p_idx, s_idx].tolist()
+                own = PARAM_STAGES[s_idx]  # the loss stage sits in row 0 but belongs to no parameter
                 out.append(SingularityEvent(
-                    step=int(t["ring_step"][slot]), param=names[p_idx], stage=STAGES[s_idx],
-                    nan_count=nan, inf_count=inf, numel=numels[p_idx],
+                    step=int(t["ring_step"][slot]), param=names[p_idx] if own else None, stage=STAGES[s_idx],
+                    nan_count=nan, inf_count=inf, numel=numels[p_idx] if own else 1,
                     action=ACTIONS[self.policy_at(int(t["ring_step"][slot]))],
-                    escalated=bool(t["ring_escalated"][slot, p_idx])))
+                    escalated=own and bool(t["ring_escalated"][slot, p_idx])))
+        return out
+
+    @staticmethod
+    def empty_summary() -> dict[str, float]:
+        """:meth:`summary` of an optimizer that has recorded nothing yet: the same keys, all zero (a logger
+        sees one key set from the first call on)."""
+        out = {"resolution/events_total": 0.0}
+        for stage in STAGES:
+            out.update({f"resolution/events_{stage}": 0.0, f"resolution/nan_{stage}": 0.0,
+                        f"resolution/inf_{stage}": 0.0})
+        out.update({"resolution/escalations": 0.0, "resolution/min_scale": 1.0})
         return out
 
     def summary(self) -> dict[str, float]:
@@ -306,13 +336,26 @@ class Resolution:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.tensors.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, grow: bool = False) -> None:
+        """Take saved counters. ``grow``: they may be of fewer parameters than this Resolution's — those
+        of an optimizer that has since had parameters appended (``add_param_group``): the saved ones keep
+        their counts, events and escalation, the new ones start fresh."""
         missing = set(self.tensors) - set(state)
         if missing:
             raise ValueError(f"resolution state is missing {sorted(missing)}")
+        P, P0 = self.num_params, state["scale"].shape[0]
         for k, v in state.items():
-            if k in self.tensors and v.shape != self.tensors[k].shape:
+            if k in self.tensors and v.shape != self.tensors[k].shape and not (grow and P0 < P):
                 raise ValueError(f"resolution state {k!r} has shape {tuple(v.shape)}, expected "
                                  f"{tuple(self.tensors[k].shape)} (different number of parameters?)")
-        self.tensors = {k: state[k].to(self.tensors[k].device).clone() for k in self.tensors}
+        new = {}
+        for k, fresh in self.tensors.items():
+            v = state[k].to(fresh.device)
+            if v.shape == fresh.shape:
+                new[k] = v.clone()
+            else:  # the parameter axis is the one that differs; saved rows first, fresh ones after
+                dim = next(d for d, (a, b) in enumerate(zip(v.shape, fresh.shape)) if a != b)
+                new[k] = fresh.clone()
+                new[k].narrow(dim, 0, P0).copy_(v)
+        self.tensors = new
         self.generation += 1

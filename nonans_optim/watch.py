@@ -187,9 +187,14 @@ class Watch:
 
     def _unchecked(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Drop tensors already checked and not modified since (same object, same ``_version``): a layer's
-        input is usually the previous layer's output, and a container returns its last child's output."""
+        input is usually the previous layer's output, and a container returns its last child's output.
+        Inference tensors (``torch.inference_mode``) have no version counter — reading it raises — so they
+        are always checked."""
         fresh = []
         for t in tensors:
+            if t.is_inference():
+                fresh.append(t)
+                continue
             seen = self._recent.get(id(t))
             if seen is not None and seen[0]() is t and seen[1] == t._version:
                 continue

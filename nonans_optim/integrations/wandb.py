@@ -6,16 +6,22 @@
     if step % 50 == 0:
         log_optimizer(optimizer, step=step)
 
-Events are sent as a ``wandb.Table`` only when new ones appeared since the last call.
+Events are sent as a ``wandb.Table`` only when new ones appeared since the last call. ``optimizer.events``
+keeps the last 64 steps that had events, so log at least that often to see every one; the counts in
+``metrics()`` are complete either way.
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 __all__ = ["log_optimizer"]
 
-_SEEN: dict[int, int] = {}
+# optimizer -> the optimizer step up to which its events were sent. A step, not a count of events: the
+# event list is a ring of the last 64 event steps, so its length stops growing and a count-based cursor
+# stopped sending anything once the ring was full. Weak keys: an id() could be reused by a new optimizer.
+_SENT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events: bool = True) -> dict:
@@ -31,9 +37,11 @@ def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events
         raise RuntimeError("no active wandb run: call wandb.init(...) first or pass run=")
     payload: dict[str, Any] = dict(optimizer.metrics())
     if events:
-        evs = optimizer.events
-        new = evs[_SEEN.get(id(optimizer), 0):]
-        _SEEN[id(optimizer)] = len(evs)
+        now = int(payload.get("optim/step", 0))
+        # min(): a checkpoint from before the last call was loaded, and its later steps are new again
+        sent = min(_SENT.get(optimizer, -1), now)
+        new = [e for e in optimizer.events if e.step > sent]
+        _SENT[optimizer] = now
         if new:
             cols = [f.name for f in dataclasses.fields(new[0])]
             payload["resolution/events"] = wandb.Table(

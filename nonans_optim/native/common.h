@@ -10,7 +10,7 @@
 
 enum { POLICY_OFF = 0, POLICY_REPAIR = 1, POLICY_SKIP = 2 };
 /* Stage rows of the (P, S, 2) count block: the order of nonans_optim.resolution.STAGES. */
-enum { ST_GRAD = 0, ST_MOMENT = 1, ST_DIRECTION = 2, ST_UPDATE = 3, ST_SPIKE = 5, NSTAGE = 6 };
+enum { ST_GRAD = 0, ST_MOMENT = 1, ST_DIRECTION = 2, ST_UPDATE = 3, ST_LOSS = 4, ST_SPIKE = 5, NSTAGE = 6 };
 enum { NCOUNT = 5 };          /* per tensor: grad nan, grad non-finite, v overflow, update nan, update non-finite */
 #define BLOCK 16384           /* int32 counters per block, flushed to int64: no overflow at any size */
 
@@ -47,10 +47,11 @@ static inline double guard_sumsq_(float part, int64_t nbad, const float *x, int6
 }
 
 /* Resolution.recent() for the parameter at global index j: an event within the repeat window, the hold
- * rule's precondition (one place for both kernels; the torch method is the ground truth). */
+ * rule's precondition (one place for both kernels; the torch method is the ground truth). The loss stage
+ * is the optimizer's, not the parameter's (resolution.PARAM_STAGES). */
 static inline int recent_event_(const int64_t *clean_streak, const int64_t *events, int64_t j, int64_t window) {
     int64_t ev = 0;
-    for (int s = 0; s < NSTAGE; s++) ev += events[j * NSTAGE + s];
+    for (int s = 0; s < NSTAGE; s++) ev += s == ST_LOSS ? 0 : events[j * NSTAGE + s];
     return clean_streak[j] < window && ev > 0;
 }
 

@@ -378,10 +378,15 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
     int any = 0;
     for (int64_t i = 0; i < P; i++) {
         const int64_t *c = step_counts + i * NSTAGE * 2;
-        int param_event = 0, seen_before = 0;
+        int param_event = 0, seen_before = 0, loss_event = 0; /* the loss stage is nobody's (PARAM_STAGES) */
         for (int s = 0; s < NSTAGE; s++) {
-            param_event |= c[2 * s] + c[2 * s + 1] > 0;
-            seen_before |= events[i * NSTAGE + s] > 0;
+            const int ev = c[2 * s] + c[2 * s + 1] > 0;
+            if (s == ST_LOSS) {
+                loss_event = ev;
+            } else {
+                param_event |= ev;
+                seen_before |= events[i * NSTAGE + s] > 0;
+            }
         }
         const int64_t streak = clean_streak[i];
         const int repeated = param_event && seen_before && streak < repeat_window;
@@ -414,7 +419,7 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
             if (ring[2 * s + 1] != c[2 * s + 1]) ring[2 * s + 1] = c[2 * s + 1];
         }
         if (ring_escalated[slot * P + i] != (uint8_t)escalated) ring_escalated[slot * P + i] = (uint8_t)escalated;
-        any |= param_event;
+        any |= param_event | loss_event; /* the ring keeps every step that had an event */
     }
     ring_step[slot] = step;
     *ring_ptr += any;

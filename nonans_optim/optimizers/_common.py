@@ -8,7 +8,7 @@ from torch.autograd.graph import increment_version
 
 from ..resolution import STAGE_INDEX, STAGES, inspect
 
-__all__ = ["record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
+__all__ = ["check_sizes", "record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
            "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
 
 
@@ -104,3 +104,15 @@ def restore_if_bad(p: torch.Tensor, st: dict, snap: tuple, ok: torch.Tensor) -> 
     torch.where(ok, p, p_old, out=p)
     for k, old in st_old.items():
         torch.where(ok, st[k], old, out=st[k])
+
+
+def check_sizes(sizes: list[int], key: str, tensors: list[torch.Tensor]) -> None:
+    """Raise ValueError unless ``tensors[i]`` has ``sizes[i]`` entries. The fused kernels (native C loops,
+    Triton) index every state tensor by its parameter's size, so a state tensor of another size — edited by
+    hand, or loaded past the checks of ``load_state_dict`` — would be read and written out of bounds; the
+    eager paths fail on it with torch's own size error. Host metadata only (no device sync)."""
+    got = [t.numel() for t in tensors]
+    if got != sizes:
+        i = next(i for i, (a, b) in enumerate(zip(got, sizes)) if a != b)
+        raise ValueError(f"state[{key!r}] of a parameter has {got[i]} entries where its parameter needs "
+                         f"{sizes[i]}: the optimizer state does not belong to these parameters")

@@ -235,7 +235,7 @@ def host_steps(states: list[dict]) -> list[float]:
 
 def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: torch.device, sf: bool):
     beta1, beta2 = group["betas"]
-    coef = group["sf_beta"] * (1 - c) - 1 if sf else 0.0
+    coef = beta1 * (1 - c) - 1 if sf else 0.0
     hp = torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef],
                       dtype=torch.float32)
     bcs = torch.tensor([[1 - beta1 ** s, 1 - beta2 ** s] for s in steps], dtype=torch.float32)

@@ -31,7 +31,7 @@ import torch
 from .. import native
 from ..native import Int64Array
 from ..functional.spike import SPIKE_BETA
-from ._common import dense_counts, mark_written, resolution_written
+from ._common import check_sizes, dense_counts, mark_written, resolution_written
 from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
@@ -114,6 +114,9 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
         return False
     seconds = [st["z" if sf else "exp_avg"] for st in states]  # schedule-free keeps z, AdamW m
     vs, steps = [st["exp_avg_sq"] for st in states], [st["step"] for st in states]
+    sizes = [p.numel() for p in params]
+    check_sizes(sizes, "z" if sf else "exp_avg", seconds)
+    check_sizes(sizes, "exp_avg_sq", vs)
     ptrs = [pointers(x) for x in (params, grads, seconds, vs, steps)]
     if any(x is None for x in ptrs):
         return False
@@ -121,10 +124,10 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     nulls = Int64Array([0] * len(params))
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     beta1, beta2 = group["betas"]
-    coef = group["sf_beta"] * (1 - c) - 1 if sf else 0.0
+    coef = beta1 * (1 - c) - 1 if sf else 0.0
     # fp32 exactly as the other implementations round them: host doubles, rounded once.
     hp = (ctypes.c_float * 7)(1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef)
-    numel = Int64Array([p.numel() for p in params])
+    numel = Int64Array(sizes)
     r = resolution_pointers(ctx, indices, record=True)
     rec, res = r["rec"], ctx["resolution"]
     rc = lib.nonans_scalar_step(

@@ -36,7 +36,7 @@ from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate, normalise
 from ..resolution import STAGE_INDEX
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
-from ._common import dense_counts, mark_written, resolution_written
+from ._common import check_sizes, dense_counts, mark_written, resolution_written
 from ._fused import Int64Array, pointers, resolution_pointers
 
 __all__ = ["fused_spectral_update"]
@@ -132,6 +132,13 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     zs = [st["z"] for st in states] if sf else []
     vs = [st["normuon_row_sq"] for st in states] if normuon else []
     mona_bufs = ([st["mona_prev_grad"] for st in states], [st["mona_diff_avg"] for st in states]) if mona else ([], [])
+    sizes = [p.numel() for p in params]
+    for key, lst in (("momentum_buffer", bufs), ("z", zs), ("mona_prev_grad", mona_bufs[0]),
+                     ("mona_diff_avg", mona_bufs[1])):
+        if lst:
+            check_sizes(sizes, key, lst)
+    if normuon:
+        check_sizes([matrix_shape(p)[0] for p in params], "normuon_row_sq", vs)
     ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers(steps),
             pointers(zs) if sf else True, pointers(vs) if normuon else True,
             pointers(mona_bufs[0]) if mona else True, pointers(mona_bufs[1]) if mona else True]

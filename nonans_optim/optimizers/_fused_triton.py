@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ._common import mark_written, resolution_written
+from ._common import check_sizes, mark_written, resolution_written
 from ._compiled import group_kernel_args
 
 __all__ = ["backend", "triton_scalar_update"]
@@ -58,6 +58,9 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     vs = [st["exp_avg_sq"] for st in states]
     if not k.supported(params + grads + seconds + vs) or gamma.device != params[0].device:
         return False
+    sizes = [p.numel() for p in params]
+    check_sizes(sizes, "z" if sf else "exp_avg", seconds)
+    check_sizes(sizes, "exp_avg_sq", vs)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma.float(), c=c)
     try:

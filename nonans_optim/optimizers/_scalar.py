@@ -80,7 +80,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
         lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
         d = adam_direction(m_list[i], v_list[i], step, beta1, beta2, eps, first_moment=not sf)
         if sf:
-            y_new, z_new = sf_update_(p, st["z"], d, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
+            y_new, z_new = sf_update_(p, st["z"], d, lr_i, c=c, beta=beta1, weight_decay=wd)
         else:
             y_new = p * (1 - lr_i * wd) - lr_i * d
             z_new = None

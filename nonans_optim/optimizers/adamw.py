@@ -22,8 +22,8 @@ class _ScalarOnly(NonansOptimizer):
     _impls = ("auto", "loop", "foreach", "compiled", "fused")
     _counts_from_one_call = True  # one group, one scalar_update call
 
-    def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
-        return frozenset(scalar_init_state(p, sf=self._sf))
+    def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
+        return scalar_init_state(p, sf=self._sf)
 
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         params, grads, states, indices = [], [], [], []
@@ -71,7 +71,7 @@ class AdamW(_ScalarOnly):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
                  resolution: str = "repair", impl: str = "auto", spike_factor: float | None = None):
-        check_betas("betas", betas)
+        check_betas("betas", betas)  # before tuple(): a scalar must get this message, not a TypeError
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=warmup_steps)
         super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
@@ -92,12 +92,15 @@ class SFAdamW(_ScalarOnly):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, warmup_steps: int = 0,
                  resolution: str = "repair", impl: str = "auto", spike_factor: float | None = None):
         check_betas("betas", betas)
-        if betas[0] <= 0:
-            raise ValueError(f"Invalid betas[0]: {betas[0]} (the schedule-free interpolation weight must be > 0:"
-                             " rebuilding x divides by it)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        warmup_steps=warmup_steps, sf_beta=float(betas[0]), sf_weight_sum=0.0)
+                        warmup_steps=warmup_steps, sf_weight_sum=0.0)
         super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group["betas"][0] <= 0:
+            raise ValueError(f"Invalid betas[0]: {group['betas'][0]} (the schedule-free interpolation weight "
+                             "must be > 0: rebuilding x divides by it)")
 
     @torch.no_grad()
     def _swap(self, *, to_train: bool) -> None:
@@ -105,4 +108,4 @@ class SFAdamW(_ScalarOnly):
             for p in group["params"]:
                 z = self.state[p].get("z")
                 if z is not None:
-                    (to_y_ if to_train else to_x_)(p, z, group["sf_beta"])
+                    (to_y_ if to_train else to_x_)(p, z, group["betas"][0])

@@ -79,44 +79,61 @@ class Fusion(NonansOptimizer):
                  resolution: str = "repair", impl: str = "auto", spike_factor: float | None = 10.0,
                  momentum_dtype: str = "auto"):
         comps = frozenset(components)
-        if momentum_dtype not in MOMENTUM_DTYPES:
-            raise ValueError(f"momentum_dtype must be one of {MOMENTUM_DTYPES}, got {momentum_dtype!r}")
         unknown = sorted(comps - COMPONENTS)
         if unknown or isinstance(components, str):
             bad = unknown if unknown else [components]
             raise ValueError(f"unknown components {bad}; choose from {sorted(COMPONENTS)}")
-        check_betas("betas", betas)
-        for name, val in (("momentum", momentum), ("sf_beta", sf_beta), ("normuon_beta2", normuon_beta2),
-                          ("mona_beta", mona_beta), ("shampoo_beta", shampoo_beta)):
-            _check_float(name, val, high=1.0, high_open=True)
-        _check_float("normuon_eps", normuon_eps)
-        if not isinstance(mona_alpha, (int, float)) or mona_alpha != mona_alpha:
-            raise ValueError(f"Invalid mona_alpha: {mona_alpha!r}")
-        if "sf" in comps and (sf_beta <= 0 or betas[0] <= 0):
-            raise ValueError("schedule-free needs sf_beta > 0 and betas[0] > 0 (x is rebuilt by dividing by β)")
-        ns_steps = _check_int("ns_steps", ns_steps, low=1)
-        shampoo_refresh_every = _check_int("shampoo_refresh_every", shampoo_refresh_every, low=1)
-        try:  # resolve the name now, not at the first step(): a typo should fail where it was made
-            hot = hot_dtype("cpu", ns5_dtype)
-        except ValueError as err:
-            raise ValueError(f"Invalid ns5_dtype: {err}") from None
-        if not hot.is_floating_point:
-            raise ValueError(f"Invalid ns5_dtype: {ns5_dtype!r} (NS5 needs a floating-point dtype)")
+        check_betas("betas", betas)  # before tuple(): a scalar must get this message, not a TypeError
         self.components = comps
         self._schedule_free = "sf" in comps
         self._uses_polyak = bool(polyak)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         betas=tuple(betas), eps=eps, sf_beta=sf_beta, normuon_beta2=normuon_beta2,
-                        normuon_eps=normuon_eps, mona_alpha=float(mona_alpha), mona_beta=mona_beta,
+                        normuon_eps=normuon_eps, mona_alpha=mona_alpha, mona_beta=mona_beta,
                         shampoo_beta=shampoo_beta, shampoo_refresh_every=shampoo_refresh_every,
                         ns_steps=ns_steps, ns5_dtype=ns5_dtype, warmup_steps=warmup_steps,
                         momentum_dtype=momentum_dtype, path=None)
         if "sf" in comps:
             defaults["sf_weight_sum"] = 0.0
         super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
-        for group in self.param_groups:
-            if group["path"] not in (None, "spectral", "scalar"):
-                raise ValueError(f"group 'path' must be 'spectral', 'scalar' or None, got {group['path']!r}")
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """The constructor's arguments and every param group's (a group may override any of them), checked
+        where they are given rather than at the first step(); ``ns_steps``, ``shampoo_refresh_every`` and
+        ``mona_alpha`` are normalised in place (int, int, float)."""
+        super()._check_group(group)
+        for name in ("momentum", "sf_beta", "normuon_beta2", "mona_beta", "shampoo_beta"):
+            _check_float(name, group[name], high=1.0, high_open=True)
+        _check_float("normuon_eps", group["normuon_eps"])
+        alpha = group["mona_alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha != alpha:
+            raise ValueError(f"Invalid mona_alpha: {alpha!r}")
+        group["mona_alpha"] = float(alpha)
+        if not isinstance(group["nesterov"], bool):
+            raise ValueError(f"Invalid nesterov: {group['nesterov']!r} (must be True or False)")
+        if "sf" in self.components and (group["sf_beta"] <= 0 or group["betas"][0] <= 0):
+            raise ValueError("schedule-free needs sf_beta > 0 and betas[0] > 0 (x is rebuilt by dividing by β)")
+        for name in ("ns_steps", "shampoo_refresh_every"):
+            group[name] = _check_int(name, group[name], low=1)
+        try:  # resolve the name now, not at the first step(): a typo should fail where it was made
+            hot = hot_dtype("cpu", group["ns5_dtype"])
+        except ValueError as err:
+            raise ValueError(f"Invalid ns5_dtype: {err}") from None
+        if not hot.is_floating_point:
+            raise ValueError(f"Invalid ns5_dtype: {group['ns5_dtype']!r} (NS5 needs a floating-point dtype)")
+        if group["momentum_dtype"] not in MOMENTUM_DTYPES:
+            raise ValueError(f"momentum_dtype must be one of {MOMENTUM_DTYPES}, got {group['momentum_dtype']!r}")
+        path = group["path"]
+        if path not in (None, "spectral", "scalar"):
+            raise ValueError(f"group 'path' must be 'spectral', 'scalar' or None, got {path!r}")
+        low = [tuple(p.shape) for p in group.get("params", ()) if path == "spectral" and p.ndim < 2]
+        if low:
+            raise ValueError(f"group 'path' is 'spectral' but it holds parameters of shape {low}: only "
+                             "matrices (2-D or more) can take the spectral path")
+        empty = [tuple(p.shape) for p in group.get("params", ()) if path == "spectral" and p.numel() == 0]
+        if empty and "shampoo" in self.components:
+            raise ValueError(f"group 'path' is 'spectral' but it holds empty parameters {empty}: KL-Shampoo "
+                             "needs a non-empty matrix (leave 'path' unset and they take the scalar path)")
 
     def _path_of(self, group: dict, j: int, p: torch.Tensor) -> str:
         if group.get("path") is not None:
@@ -133,7 +150,9 @@ class Fusion(NonansOptimizer):
         grads = [p.grad for p in self._all_params() if p.grad is not None]
         if not grads:
             return
-        l1 = torch.stack(torch._foreach_norm(grads, 1)).float()
+        # summed in fp32 whatever the gradients' dtype: an fp16 L1 norm overflows once Σ|g| > 65504, and a
+        # finite gradient would be dropped from Ḡ as if it were non-finite
+        l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32))
         ok = torch.isfinite(l1)
         sizes = tuple(g.numel() for g in grads)
         numels = self._index_cache.get(("numels", sizes, str(l1.device)))
@@ -150,8 +169,8 @@ class Fusion(NonansOptimizer):
             # dict entry would make the step assemble all P×S entries on the host.
             dense_counts(ctx, l1.device)[0, STAGE_INDEX["loss"]] += counts
 
-    def _state_keys(self, group: dict[str, Any], j: int, p: torch.Tensor) -> frozenset[str]:
-        return frozenset(self._init_state(group, j, p))
+    def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
+        return self._init_state(group, j, p)
 
     def _init_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, torch.Tensor]:
         comps = self.components

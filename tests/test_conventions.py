@@ -1,0 +1,263 @@
+"""torch.optim conventions a user relies on without reading our docs: checkpoints (of another model, loaded
+twice, from torch.optim.AdamW), copies, closures, LR-scheduler-driven betas, groups added later — each
+case a defect an audit of the library found (2026-11-25), and the behaviour now promised."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import nonans_optim as no
+from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tensors, train_steps
+
+# the infos whose parameters the native loops take (impl="fused"), where a wrong size was memory-unsafe
+FUSED = [i for i in INFOS if i.kwargs.get("impl") == "fused"]
+
+
+class Wide(nn.Module):
+    """Two Linear layers whose width changes every shape but not the number of parameter tensors."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        torch.manual_seed(width)
+        self.fc1, self.fc2 = nn.Linear(6, width), nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _steps(model, opt, n: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(16, 6, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    return x == y
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_checkpoint_of_another_model_is_refused_before_anything_changes(info):
+    """Same parameter count, other shapes: torch's load accepts it; the native loops then read and wrote
+    past the state tensors (heap corruption). Refused now, naming the shape, with nothing replaced."""
+    small, big = Wide(8), Wide(12)
+    a, b = info.make(small.parameters()), info.make(big.parameters())
+    _steps(small, a, 2)
+    _steps(big, b, 2)
+    before = copy.deepcopy(b.state_dict())
+    with pytest.raises(ValueError, match="shape"):
+        b.load_state_dict(a.state_dict())
+    assert _same(b.state_dict(), before)
+    _steps(big, b, 1)  # and it still steps
+
+
+@pytest.mark.parametrize("info", FUSED, ids=[i.name for i in FUSED])
+def test_fused_kernels_refuse_state_of_another_size(info):
+    """State edited by hand past load_state_dict: a clear error from the kernel launcher, never an
+    out-of-bounds access."""
+    model = Wide(8)
+    opt = info.make(model.parameters())
+    _steps(model, opt, 1)
+    st = opt.state[model.fc1.weight]
+    key = "exp_avg_sq" if "exp_avg_sq" in st else "momentum_buffer"
+    st[key] = torch.zeros(3)
+    with pytest.raises(ValueError, match="entries"):
+        _steps(model, opt, 1)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_load_state_dict_twice_and_into_a_copy(info):
+    """torch's load adds ``differentiable`` to the defaults; the fit check used to demand it of the
+    checkpoint, so a second load (rolling back to the last good checkpoint) always failed."""
+    model = make_model()
+    opt = info.make(model.parameters())
+    train_steps(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)
+    opt.load_state_dict(saved)
+    twin = copy.deepcopy(opt)
+    twin.load_state_dict(saved)
+    train_steps(model, opt, 1)
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_deepcopy_and_pickle_make_a_working_optimizer(info):
+    """torch's __getstate__ keeps defaults, state and param_groups only: a copy had no policy, impl or
+    mode and failed at its first step. A copy (with its model) now takes the original's steps exactly."""
+    model = make_model()
+    opt = info.make(model.named_parameters(), resolution="skip")
+    train_steps(model, opt, 2)
+    m2, o2 = copy.deepcopy((model, opt))
+    buf = io.BytesIO()
+    pickle.dump((model, opt), buf)
+    m3, o3 = pickle.loads(buf.getvalue())
+    for m, o in ((model, opt), (m2, o2), (m3, o3)):
+        train_steps(m, o, 2, seed=5)
+    for m, o in ((m2, o2), (m3, o3)):
+        assert o.resolution_policy == "skip" and o.impl == opt.impl
+        for p, q in zip(model.parameters(), m.parameters()):
+            assert torch.equal(p, q)
+        assert o.metrics() == opt.metrics()
+
+
+def test_torch_adamw_checkpoint_resumes_in_adamw():
+    """A drop-in must take the checkpoint of the optimizer it replaces: the group keys torch lacks
+    (warmup_steps) come from the new optimizer, the global step from the parameters' ``step``, and the
+    resumed run follows torch's own."""
+    models = [make_model() for _ in range(2)]
+    ref = torch.optim.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1)
+    train_steps(models[0], ref, 3)
+    models[1].load_state_dict(models[0].state_dict())
+    ours = no.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1)
+    ours.load_state_dict(torch.load(_saved(ref.state_dict()), weights_only=True))
+    assert ours.metrics()["optim/step"] == 3.0
+    train_steps(models[0], ref, 3, seed=2)
+    train_steps(models[1], ours, 3, seed=2)
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+
+
+def _saved(sd) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_torch_features_we_lack_are_refused(flag):
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), **{flag: True})
+    train_steps(model, ref, 1)
+    ours = no.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=flag):
+        ours.load_state_dict(ref.state_dict())
+
+
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
+def test_closure_takes_the_same_step_as_calling_it_first(cls):
+    """step(closure) used to feed the closure's loss to set_loss, which switches the Polyak multiplier
+    on (a 10x step on the tasks of OPEN_QUESTIONS.md Q5) — for every trainer that passes a closure."""
+    models = [make_model() for _ in range(2)]
+    opts = [cls(m.parameters(), lr=1e-2) for m in models]
+    for i in range(3):
+        batch = make_batch(i)
+
+        def closure(m=models[0], o=opts[0]):
+            o.zero_grad()
+            loss = loss_fn(m, batch)
+            loss.backward()
+            return loss
+
+        got = opts[0].step(closure)
+        opts[1].zero_grad()
+        want = loss_fn(models[1], batch)
+        want.backward()
+        opts[1].step()
+        assert torch.equal(got, want)
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)
+    assert opts[0].metrics()["fusion/gamma_mult"] == 1.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: no.SFAdamW(ps, lr=1e-2, betas=(0.7, 0.999)),
+    lambda ps: no.SFNorMuon(ps, lr=1e-2, betas=(0.7, 0.999), sf_beta=0.9, spike_factor=None),
+    lambda ps: no.SFNorMuon(ps, lr=1e-2, betas=(0.9, 0.999), sf_beta=0.6, spike_factor=None, impl="fused"),
+], ids=["SFAdamW", "SFNorMuon", "SFNorMuon-fused"])
+def test_schedule_free_eval_is_the_average_of_z(make):
+    """With a constant lr the schedule-free average is x_T = mean(z_1..z_T) (c_t = 1/t), whatever β is, so
+    eval() must return it. The scalar path stepped with sf_beta but rebuilt x with betas[0]: wrong x on
+    biases and norms whenever the two differed (and under OneCycleLR, which cycles betas[0])."""
+    model = make_model()
+    opt = make(model.parameters())
+    zs = []
+    for i in range(4):
+        train_steps(model, opt, 1, seed=i)
+        zs.append([opt.state[p]["z"].clone() for p in model.parameters()])
+    opt.eval()
+    for k, p in enumerate(model.parameters()):
+        torch.testing.assert_close(p.detach(), torch.stack([z[k] for z in zs]).mean(0), rtol=1e-4, atol=1e-6)
+
+
+def test_sfadamw_reads_betas_at_every_step():
+    """SFAdamW takes β from betas[0] at every step, as schedule_free's AdamW does, so a scheduler that
+    cycles it (OneCycleLR's cycle_momentum) reaches the step; a copy made at construction used to ignore
+    it. Setting betas before the first step must equal constructing with them."""
+    models = [make_model() for _ in range(2)]
+    a = no.SFAdamW(models[0].parameters(), lr=1e-2)
+    b = no.SFAdamW(models[1].parameters(), lr=1e-2, betas=(0.7, 0.999))
+    a.param_groups[0]["betas"] = (0.7, 0.999)
+    for m, o in zip(models, (a, b)):
+        train_steps(m, o, 3)
+        o.eval()
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lr=-1.0), "lr"), (dict(weight_decay=-1.0), "weight_decay"), (dict(betas=(2.0, 0.9)), "betas"),
+    (dict(eps=-1.0), "eps"), (dict(warmup_steps=1.5), "warmup_steps"), (dict(path="bogus"), "path"),
+    (dict(nesterov="yes"), "nesterov"), (dict(momentum=1.5), "momentum"), (dict(ns_steps=0), "ns_steps"),
+])
+def test_add_param_group_checks_like_the_constructor(bad, match):
+    """A bad value in a group added later used to pass and fail halfway through a step, earlier groups
+    already updated. Refused where given, and the group is not added."""
+    model = make_model()
+    opt = no.SFNorMuon([model.fc1.weight])
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [model.fc2.weight], **bad})
+    assert len(opt.param_groups) == 1
+    train_steps(model, opt, 1)
+
+
+@pytest.mark.parametrize("info", INFOS[:2], ids=IDS[:2])
+def test_add_param_group_refuses_complex_and_vector_on_spectral(info):
+    opt = info.make([nn.Parameter(torch.randn(4, 4))])
+    with pytest.raises(ValueError, match="complex"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4, dtype=torch.complex64))]})
+    fusion = no.SFNorMuon([nn.Parameter(torch.randn(4, 4))])
+    with pytest.raises(ValueError, match="spectral"):
+        fusion.add_param_group({"params": [nn.Parameter(torch.randn(4))], "path": "spectral"})
+    assert len(opt.param_groups) == len(fusion.param_groups) == 1
+
+
+def test_polyak_l1_norm_of_fp16_gradients_does_not_overflow():
+    """Σ|g| of an fp16 gradient passes 65504 at 300x300 ones: taken in fp16 it was Inf, and the finite
+    gradient dropped out of Ḡ as if it were non-finite (γ stayed 1)."""
+    p = nn.Parameter(torch.zeros(300, 300, dtype=torch.float16))
+    opt = no.SFNorMuon([p])
+    for _ in range(3):
+        p.grad = torch.ones_like(p)
+        opt.set_loss(2.0)
+        opt.step()
+    m = opt.metrics()
+    assert m["fusion/gnorm_ema"] == 1.0 and m["fusion/gamma_mult"] == 2.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=torch.int32), "floating"), (dict(steps=2.5), "steps"), (dict(steps=-1), "steps"),
+])
+def test_ns5_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        no.ns5(torch.randn(4, 4), **kwargs)
+
+
+def test_ns5_refuses_a_tensor_that_requires_grad():
+    G = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="differentiable"):
+        no.ns5(G)
+    with torch.no_grad():
+        assert torch.equal(no.ns5(G), no.ns5(G.detach()))
