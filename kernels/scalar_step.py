@@ -117,8 +117,8 @@ def _count(cond, mask, MASKED: tl.constexpr):
 @triton.jit
 def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, ALIGNED: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """SS[pid] = Σ g² (float64: finite for finite entries, see functional/spike.py) and BAD[pid] =
-    #non-finite g over this program's block."""
+    """SS[pid] = Σ g² over the finite entries (float64: finite for any finite entries; the guard's norm is
+    of the finite part, see functional/spike.py) and BAD[pid] = #non-finite g over this program's block."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
     idx = tl.arange(0, BLOCK)
@@ -126,9 +126,10 @@ def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, A
         g = _load(g_ptr, idx, idx < rem, False)
     else:
         g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
-    g64 = g.to(tl.float64)
+    ok = _finite(g)
+    g64 = tl.where(ok, g, 0.0).to(tl.float64)
     tl.store(SS + pid, tl.sum(g64 * g64, axis=0))
-    tl.store(BAD + pid, tl.sum((~_finite(g)).to(tl.int32), axis=0))
+    tl.store(BAD + pid, tl.sum((~ok).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -160,9 +161,10 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, fact
         cap = factor * ema
         cap64 = cap.to(tl.float64)
         trig = fin & seeded & (norm > cap64)
-        scale = tl.where(trig, (cap64 / norm).to(tl.float32), 1.0)
+        # at least the smallest fp32 subnormal (2^-149): a capped ±Inf entry stays ±Inf, as in spike_scale
+        scale = tl.where(trig, tl.maximum(cap64 / norm, 1.401298464324817e-45).to(tl.float32), 1.0)
         observed = tl.where(trig, cap, norm.to(tl.float32))
-        fits = fin & _finite(observed)
+        fits = fin & _finite(observed) & (nbad == 0)  # only a complete gradient updates the EMA
         new_ema = tl.where(fits, tl.where(seeded, ema * beta + (1.0 - beta) * observed, observed), ema)
     hold = nbad < 0  # False
     keep_all = nbad < 0

@@ -160,3 +160,38 @@ def test_every_impl_guards_a_spike_too_large_for_fp32_squares(cls, kw, impl):
                                                                     for e in small_opt.events]
     for a, b in zip(small.parameters(), big.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "fused"])
+@pytest.mark.parametrize("cls, kw", GUARDED, ids=[c.__name__ for c, _ in GUARDED])
+def test_every_impl_guards_a_spike_beside_a_nan(cls, kw, impl):
+    """The fp16-overflow pattern: a NaN beside a huge finite entry in one gradient. The guard's norm used
+    to be over every entry, so the NaN made it non-finite and the guard stood down: the 1e30 entry reached
+    the moments (exp_avg 9e28, the weight 5e26 in the audit's repro). The norm is now of the finite
+    entries: the spike is capped, the NaN is repaired as a missing observation, and the EMA (which only
+    complete gradients update) is what it was."""
+    model = make_model()
+    opt = cls(model.named_parameters(), lr=1e-2, impl=impl, **kw)
+
+    def spike(step, m):
+        if step == 4:
+            for g in (m.fc2.bias.grad, m.fc1.weight.grad):
+                g.view(-1)[0] = float("nan")
+                g.view(-1)[1] = 1e30
+
+    train_steps(model, opt, 4)
+    ema = opt.state["nonans"]["resolution"]["grad_norm_ema"].clone()
+    before = [p.detach().clone() for p in model.parameters()]
+    train_steps(model, opt, 1, seed=4, inject=lambda step, m: spike(4, m))
+    stages = {(e.param, e.stage) for e in opt.events if e.step == 5}
+    assert {("fc1.weight", "spike"), ("fc2.bias", "spike"), ("fc1.weight", "grad"), ("fc2.bias", "grad")} <= stages
+    names = [n for n, _ in model.named_parameters()]
+    for n in ("fc1.weight", "fc2.bias"):
+        i = names.index(n)
+        assert opt.state["nonans"]["resolution"]["grad_norm_ema"][i] == ema[i], n
+    for p, q in zip(before, model.parameters()):
+        assert torch.isfinite(q).all() and (q - p).abs().max() < 0.1
+    for p in model.parameters():
+        for v in opt.state[p].values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                assert v.abs().max() < 1e6

@@ -21,28 +21,32 @@ static inline float lerpf_(float a, float b, float w) {
     return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
-/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor: the norm in double
- * (finite whenever every entry is: see guard_sumsq_), the comparison and cap/norm in double, the EMA in
- * fp32 — a norm beyond FLT_MAX triggers with a finite scale but never seeds the EMA. */
-static inline float spike_(double norm, float ema, float factor, float beta, float one_m_beta, float *new_ema, int *trig) {
+/* The spike guard of nonans_optim/functional/spike.py::spike_scale, for one tensor: the norm of its finite
+ * entries in double (guard_sumsq_), the comparison and cap/norm in double, the EMA in fp32 — a norm beyond
+ * FLT_MAX triggers with a finite scale but never seeds the EMA, and only a complete gradient (no non-finite
+ * entry) updates it. The scale is at least the smallest fp32 subnormal: a capped ±Inf entry stays ±Inf. */
+static inline float spike_(double norm, int complete, float ema, float factor, float beta, float one_m_beta,
+                           float *new_ema, int *trig) {
     const int fin = fabs(norm) < INFINITY, seeded = ema > 0.0f;
     const float cap = factor * ema;
     const int t = fin && seeded && norm > (double)cap;
     const float observed = t ? cap : (float)norm;
-    *new_ema = fin && finitef_(observed) ? (seeded ? ema * beta + one_m_beta * observed : observed) : ema;
+    *new_ema = complete && fin && finitef_(observed) ? (seeded ? ema * beta + one_m_beta * observed : observed) : ema;
     *trig = t;
-    return t ? (float)((double)cap / norm) : 1.0f;
+    return t ? (float)fmax((double)cap / norm, 0x1p-149) : 1.0f;
 }
 
-/* The sum of squares the spike guard adds up, for a run x[0, n) whose fp32 sum is part and whose count of
- * non-finite entries is nbad: part itself, unless it overflowed although every entry was finite (one entry
- * above about 1.8e19 suffices) — then Σ x² again in double, which is finite for any finite fp32 entries
- * (n·FLT_MAX² is far below DBL_MAX), so the guard sees the spike instead of a non-finite norm, which it would
- * have let through. Rare, so scalar and in a fixed order (the same in every build). */
-static inline double guard_sumsq_(float part, int64_t nbad, const float *x, int64_t n) {
-    if (fabsf(part) < INFINITY || nbad != 0) return part;
+/* The sum of squares of the finite entries of x[0, n), which the spike guard adds up, given their fp32 sum
+ * part over all entries: part itself when finite (every entry finite, no square overflowed); otherwise — a
+ * NaN/±Inf entry, or one above about 1.8e19 whose square overflowed — Σ x² over the finite entries again in
+ * double, finite for any finite fp32 entries (n·FLT_MAX² is far below DBL_MAX). So the guard sees the
+ * largest finite spikes, also beside a NaN (functional/spike.py: the fp16-overflow pattern), instead of a
+ * non-finite norm it would let through. Rare, so scalar and in a fixed order (the same in every build). */
+static inline double guard_sumsq_(float part, const float *x, int64_t n) {
+    if (fabsf(part) < INFINITY) return part;
     double acc = 0.0;
-    for (int64_t j = 0; j < n; j++) acc += (double)x[j] * (double)x[j];
+    for (int64_t j = 0; j < n; j++)
+        if (finitef_(x[j])) acc += (double)x[j] * (double)x[j];
     return acc;
 }
 

@@ -216,9 +216,9 @@ static inline __attribute__((always_inline)) void update_range(
  * accumulator halved it and made the pass compute-bound) and its non-finite count. The chunk sums are
  * added in chunk order afterwards, so the norm — and a triggered spike guard's scale — does not depend
  * on the thread count. Any NaN or ±Inf entry makes the sum non-finite, so only such a chunk (rare) is
- * read again to count them; a chunk whose sum overflowed with every entry finite is summed again in double
- * (guard_sumsq_), since the guard's norm must stay finite exactly where the gradient is (the float64 norm
- * of the other implementations, functional/spike.py). */
+ * read again to count them, and such a chunk, or one whose squares overflowed, has the squares of its
+ * finite entries summed again in double (guard_sumsq_): the guard's norm is of the finite entries, finite
+ * for any gradient (functional/spike.py, the other implementations' float64 norm). */
 static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double *ss, int64_t *bad) {
 #ifdef NONANS_AVX512
     const float part = sumsq_avx512(g, b0, b1);
@@ -230,7 +230,7 @@ static void chunk_stats(const float *restrict g, int64_t b0, int64_t b1, double 
 #pragma omp simd reduction(+ : nbb)
         for (int64_t j = b0; j < b1; j++) nbb += !finitef_(g[j]);
     }
-    *ss = guard_sumsq_(part, nbb, g + b0, b1 - b0);
+    *ss = guard_sumsq_(part, g + b0, b1 - b0);
     *bad = nbb;
 }
 
@@ -323,7 +323,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
                 if (guard) { /* ema is only written after the parallel region: every thread reads the old value */
                     float ne;
                     int tr;
-                    s = spike_(sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
+                    s = spike_(sqrt(tot), nbad == 0, ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
                 hold = rec && nbad == N;

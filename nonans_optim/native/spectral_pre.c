@@ -285,7 +285,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                             nb += !finitef_(gr[j]);
                         }
                     }
-                    gsq[r] = guard_sumsq_(part_ss, nb, gr, C);
+                    gsq[r] = guard_sumsq_(part_ss, gr, C);
                     nan_c += nn;
                     bad_c += nb;
                     row_ok[row_off[i] + r] = nb == 0;
@@ -310,7 +310,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                 if (guard) { /* ema is only written after the parallel region */
                     float ne;
                     int tr;
-                    s = spike_(sqrt(tot), ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
+                    s = spike_(sqrt(tot), nbad == 0, ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
                 /* bit 0, hold: no finite entry and a recent event (the loop's hold_flag, under "repair" and

@@ -77,14 +77,17 @@ def nonfinite_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def guard_spikes(grads: list[torch.Tensor], ema: torch.Tensor, sel: torch.Tensor, factor: float | None):
     """In-graph spike guard (the eager guard's arithmetic): returns (per-tensor scales — multiply each
     gradient by its own, inside the consuming loop —, spike rows (n, 2)), or (None, None) without a
-    factor; updates the norm EMAs of ``sel`` in place. A scale is finite and ≥ 0 (0 only where cap/‖g‖
-    underflows fp32), and is not 1 only for a gradient whose entries are all finite (a non-finite norm never
-    triggers), so it changes no entry's finiteness: the gradient counts can be taken on the raw gradient in
-    the norm's pass."""
+    factor; updates the norm EMAs of ``sel`` in place. A scale is finite and > 0 (at least the smallest
+    subnormal), so it changes no entry's finiteness nor a ±Inf into NaN: the gradient counts can be taken
+    on the raw gradient in the norm's pass."""
     if factor is None:
         return None, None
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])  # spike.py: why float64
-    scale, new_ema, trigger = spike_scale(norms, ema.index_select(0, sel), factor)
+    # spike.py: why float64, and why over the finite entries only
+    ok = [finite_mask(g) for g in grads]
+    norms = torch.stack([torch.linalg.vector_norm(torch.where(o, g, 0.0), dtype=torch.float64)
+                         for g, o in zip(grads, ok)])
+    complete = torch.stack([o.all() for o in ok])
+    scale, new_ema, trigger = spike_scale(norms, ema.index_select(0, sel), factor, complete=complete)
     ema.index_copy_(0, sel, new_ema)
     flags = trigger.to(torch.int64)
     return scale, torch.stack((torch.zeros_like(flags), flags), 1)
