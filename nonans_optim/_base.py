@@ -253,8 +253,9 @@ class NonansOptimizer(Optimizer):
 
         Keeps the tensor on its device — no sync; a NaN/Inf loss is handled inside step() (where the
         Polyak step uses it, the multiplier falls back to 1 and a "loss" event is recorded). The Polyak
-        ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real number (numpy scalars included)
-        or a one-element real tensor; a bool or complex value is refused here rather than at the step."""
+        ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real
+        number (numpy scalars included) or a one-element real tensor; a bool or complex value is refused
+        here rather than at the step."""
         if isinstance(loss, numbers.Real) and not isinstance(loss, (bool, np.bool_)):
             loss = torch.tensor(float(loss))
         if isinstance(loss, np.ndarray) and loss.size == 1 and loss.dtype.kind in "iuf":

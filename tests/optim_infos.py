@@ -114,6 +114,17 @@ def state_tensors(opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def same_tree(x, y) -> bool:
+    """Deep equality of state_dict trees (tensors bit for bit, dtypes included)."""
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(same_tree(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(same_tree(u, v) for u, v in zip(x, y))
+    return x == y
+
+
 def assert_params_and_state_close(ref, ref_opt, got, got_opt, *, rtol=1e-5, atol=1e-6, equal_nan=False):
     """Two runs of the same steps (an implementation against the loop ground truth): parameters and every
     state buffer agree within float tolerance, and hold the same state keys."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import nonans_optim as no
-from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tensors, train_steps
+from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, same_tree, train_steps
 
 # the infos whose parameters the native loops take (impl="fused"), where a wrong size was memory-unsafe
 FUSED = [i for i in INFOS if i.kwargs.get("impl") == "fused"]
@@ -38,16 +38,6 @@ def _steps(model, opt, n: int, seed: int = 0) -> None:
         opt.step()
 
 
-def _same(x, y) -> bool:
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
-    return x == y
-
-
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
 def test_checkpoint_of_another_model_is_refused_before_anything_changes(info):
     """Same parameter count, other shapes: torch's load accepts it; the native loops then read and wrote
@@ -59,7 +49,7 @@ def test_checkpoint_of_another_model_is_refused_before_anything_changes(info):
     before = copy.deepcopy(b.state_dict())
     with pytest.raises(ValueError, match="shape"):
         b.load_state_dict(a.state_dict())
-    assert _same(b.state_dict(), before)
+    assert same_tree(b.state_dict(), before)
     _steps(big, b, 1)  # and it still steps
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import nonans_optim as no
 from nonans_optim.ns5 import hot_dtype
-from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, state_tensors, train_steps
+from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, same_tree, state_tensors, train_steps
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
@@ -143,18 +143,7 @@ def test_state_dict_of_another_optimizer_is_refused_before_anything_changes(src,
         return
     with pytest.raises(ValueError, match="does not fit"):
         b.load_state_dict(saved)
-    assert _same(b.state_dict(), before)
-
-
-def _same(x, y) -> bool:
-    """Deep equality of state_dict trees (tensors bit for bit)."""
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
-    return x == y
+    assert same_tree(b.state_dict(), before)
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
