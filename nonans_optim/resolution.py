@@ -107,7 +107,8 @@ class SingularityEvent:
     still add up to the stage's count; repeated spikes escalate like any event). A "loss" event (a
     non-finite ``set_loss()`` value) belongs to no parameter: ``param`` is None and ``numel`` 1, and it
     backs off no parameter's step size. ``escalated``: this event backed the parameter's step size off
-    (a repeat within the window). ``events`` keeps the last 64 steps that had any."""
+    (a repeat within the window). ``events`` keeps the last 63 steps that had any (a ring of 64 slots, one
+    of them the free slot a clean step writes: 64 only until the first clean step after it filled)."""
 
     step: int
     param: str | int | None

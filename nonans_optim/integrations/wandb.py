@@ -7,7 +7,7 @@
         log_optimizer(optimizer, step=step)
 
 Events are sent as a ``wandb.Table`` only when new ones appeared since the last call. ``optimizer.events``
-keeps the last 64 steps that had events, so log at least that often to see every one; the counts in
+keeps the last 63 steps that had events, so log at least that often to see every one; the counts in
 ``metrics()`` are complete either way.
 """
 from __future__ import annotations
