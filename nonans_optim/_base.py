@@ -215,6 +215,9 @@ class NonansOptimizer(Optimizer):
                 self._global()["step"] = step
         elif st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
             self._training = bool(st.get("train_mode", True))
+            # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
+            # before the flag was stored tell it by a finite loss having been seen
+            self._loss_ever_given = bool(st.get("loss_given", False)) or bool(st["polyak"]["loss_seen"])
             device = self._first_param().device
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
@@ -317,6 +320,8 @@ class NonansOptimizer(Optimizer):
             return loss
         st = self._global()
         st["step"] += 1
+        if self._pending_loss is not None:  # in the state too: a resumed run must keep its Polyak step on
+            st["loss_given"] = True
         res = self._get_resolution(st["step"]) if self._policy != "off" else None
         ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,

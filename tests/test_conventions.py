@@ -251,3 +251,29 @@ def test_ns5_refuses_a_tensor_that_requires_grad():
         no.ns5(G)
     with torch.no_grad():
         assert torch.equal(no.ns5(G), no.ns5(G.detach()))
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_resume_keeps_the_polyak_step_on_steps_without_set_loss(impl):
+    """set_loss() turns the Polyak step on for the rest of the run; that flag lived only on the instance,
+    so a resumed optimizer ran the steps without a set_loss() at multiplier 1 (an uninterrupted run: the
+    saved clamp value) while metrics() still reported the saved one."""
+    def run(resume: bool):
+        model = make_model()
+        opt = no.SFNorMuon(model.parameters(), lr=1e-2, impl=impl)
+        for i in range(6):
+            if resume and i == 3:
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                buf.seek(0)
+                opt = no.SFNorMuon(model.parameters(), lr=1e-2, impl=impl)
+                opt.load_state_dict(torch.load(buf, weights_only=True))
+            opt.zero_grad()
+            loss = loss_fn(model, make_batch(i))
+            loss.backward()
+            if i % 4 == 0:
+                opt.set_loss(loss)
+            opt.step()
+        return model
+    for p, q in zip(run(False).parameters(), run(True).parameters()):
+        assert torch.equal(p, q)
