@@ -8,15 +8,16 @@ step, the Polyak EMAs and the resolution counters all survive a checkpoint.
 """
 from __future__ import annotations
 
-import math
 import numbers
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.optim import Optimizer
 
 from ._checkpoint import CARRIED, check_loadable, step_from_params, with_group_defaults
+from ._validation import _check_float, _check_int, check_betas
 from .functional.polyak import init_polyak
 from .functional.schedule_free import sf_weight
 from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
@@ -24,39 +25,10 @@ from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check
 __all__ = ["NonansOptimizer"]
 
 
-def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
-                 high_open: bool = False) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
-        value = float(value)  # construction time only, never inside step()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")
-    if value < low or value > high or (high_open and value >= high):
-        bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
-        raise ValueError(f"Invalid {name}: {value!r} (must be in {bound})")
-
-
-def _check_int(name: str, value: Any, *, low: int = 0) -> int:
-    """``value`` as an int >= ``low``; an integral float (10.0) is accepted, 2.5 or "10" are not (int()
-    would silently truncate the one and parse the other)."""
-    ok = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not ok or value < low:
-        raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
-    return int(value)
-
-
 def _warmup(group: dict[str, Any], step: int) -> float:
     """Linear warmup factor min(1, t / warmup_steps) of a group (1 without warmup)."""
     warm = group.get("warmup_steps", 0)
     return min(1.0, step / warm) if warm > 0 else 1.0
-
-
-def check_betas(name: str, betas: Iterable[float]) -> None:
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-        raise ValueError(f"Invalid {name}: {betas!r} (must be a pair (beta1, beta2))")
-    for i, b in enumerate(betas):
-        _check_float(f"{name}[{i}]", b, high=1.0, high_open=True)
 
 
 class NonansOptimizer(Optimizer):
@@ -184,7 +156,25 @@ class NonansOptimizer(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        self._warn_fp16_adam(self.param_groups[-1])
         self._resolution = None  # grown on next use: existing parameters keep their counters, new ones start at 0
+
+    def _adam_path(self, group: dict[str, Any], j: int, p: torch.Tensor) -> bool:
+        """True when parameter ``j`` of ``group`` takes the (SF-)AdamW arithmetic (every one, here)."""
+        return True
+
+    def _warn_fp16_adam(self, group: dict[str, Any]) -> None:
+        """Warn once per group with fp16 parameters on the Adam path. Its state lives in the parameter's
+        dtype, and in fp16 (1-β₂)·g² of an ordinary gradient (|g| ~ 1e-3) and eps = 1e-8 both round to 0:
+        the eager paths then divide 0 by 0 every step — "repair" keeps p, counts an update event and backs
+        the step off, so the parameter never moves — and the fused one takes ~8x the fp32 step (an audit,
+        2026-11-25). torch.optim.AdamW gives NaN there. bf16 (fp32's exponent range) is fine."""
+        half = [tuple(p.shape) for j, p in enumerate(group["params"])
+                if p.dtype == torch.float16 and self._adam_path(group, j, p)]
+        if half:
+            warnings.warn(f"{type(self).__name__}: {len(half)} float16 parameter(s) (shapes {half[:3]}) take the "
+                          "Adam update, whose moments underflow in float16 (v and eps round to 0): keep fp32 "
+                          "master weights (autocast) or use bfloat16", UserWarning, stacklevel=3)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError naming a bad hyperparameter of ``group`` (the defaults, or one param group);

@@ -277,3 +277,19 @@ def test_resume_keeps_the_polyak_step_on_steps_without_set_loss(impl):
         return model
     for p, q in zip(run(False).parameters(), run(True).parameters()):
         assert torch.equal(p, q)
+
+
+def test_fp16_parameters_on_the_adam_path_warn():
+    """In fp16 the Adam moments of an ordinary gradient underflow (v and eps round to 0): the eager paths
+    divided 0 by 0 every step, repaired it and never moved the parameter, the fused one took ~8x the step.
+    A warning names it where the parameters are given; bf16 and spectral-routed fp16 matrices are fine."""
+    half = nn.Linear(4, 4).half()
+    with pytest.warns(UserWarning, match="float16"):
+        no.AdamW(half.parameters())
+    with pytest.warns(UserWarning, match=r"1 float16 parameter\(s\) \(shapes \[\(4,\)\]\)"):
+        no.SFNorMuon(half.parameters())  # the bias only: the weight takes NS5
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        no.AdamW(nn.Linear(4, 4).bfloat16().parameters())
+        no.SFNorMuon([nn.Parameter(torch.randn(4, 4, dtype=torch.float16))])

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .._base import NonansOptimizer, check_betas
+from .._base import NonansOptimizer
+from .._validation import check_betas
 from ..functional.schedule_free import to_x_, to_y_
 from ._scalar import scalar_init_state, scalar_update
 

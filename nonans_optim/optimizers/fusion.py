@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .._base import NonansOptimizer, _check_float, _check_int, check_betas
+from .._base import NonansOptimizer
+from .._validation import _check_float, _check_int, check_betas
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
 from ..resolution import STAGE_INDEX, inspect
@@ -134,6 +135,9 @@ class Fusion(NonansOptimizer):
         if empty and "shampoo" in self.components:
             raise ValueError(f"group 'path' is 'spectral' but it holds empty parameters {empty}: KL-Shampoo "
                              "needs a non-empty matrix (leave 'path' unset and they take the scalar path)")
+
+    def _adam_path(self, group: dict[str, Any], j: int, p: torch.Tensor) -> bool:
+        return self._path_of(group, j, p) == "scalar"
 
     def _path_of(self, group: dict, j: int, p: torch.Tensor) -> str:
         if group.get("path") is not None:

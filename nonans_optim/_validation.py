@@ -1,0 +1,40 @@
+"""Argument checks shared by the optimizers: each raises ValueError naming the argument, where it is given
+(the constructor, or ``add_param_group``) rather than inside a later ``step()``."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["_check_float", "_check_int", "check_betas"]
+
+
+def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
+                 high_open: bool = False) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = float(value)  # construction time only, never inside step()
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")
+    if value < low or value > high or (high_open and value >= high):
+        bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        raise ValueError(f"Invalid {name}: {value!r} (must be in {bound})")
+
+
+def _check_int(name: str, value: Any, *, low: int = 0) -> int:
+    """``value`` as an int >= ``low``; an integral float (10.0) is accepted, 2.5 or "10" are not (int()
+    would silently truncate the one and parse the other)."""
+    ok = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not ok or value < low:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
+    return int(value)
+
+
+def check_betas(name: str, betas: Iterable[float]) -> None:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"Invalid {name}: {betas!r} (must be a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        _check_float(f"{name}[{i}]", b, high=1.0, high_open=True)
