@@ -50,7 +50,6 @@ class NonansOptimizer(Optimizer):
         self._check_group(defaults)  # the defaults, then every group as torch adds it (add_param_group)
         super().__init__(params, defaults)
         self._pending_loss: torch.Tensor | None = None
-        self._loss_ever_given = False
         self._training = True
         self._resolution: Resolution | None = None
         self._index_cache: dict[tuple, torch.Tensor] = {}
@@ -193,8 +192,8 @@ class NonansOptimizer(Optimizer):
         and the shape of every state tensor), with group keys it lacks taken from the current groups. A
         checkpoint without the optimizer-level state (``torch.optim.AdamW``'s) resumes the global step
         from its parameters' ``step``."""
+        state_dict = with_group_defaults(self, state_dict)  # a new dict: the caller's is not modified
         check_loadable(self, state_dict)
-        state_dict = with_group_defaults(self, state_dict)
         super().load_state_dict(state_dict)
         self._restore_buffer_dtypes(state_dict)
         self._resolution = None
@@ -207,7 +206,7 @@ class NonansOptimizer(Optimizer):
             self._training = bool(st.get("train_mode", True))
             # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
             # before the flag was stored tell it by a finite loss having been seen
-            self._loss_ever_given = bool(st.get("loss_given", False)) or bool(st["polyak"]["loss_seen"])
+            st.setdefault("loss_given", bool(st["polyak"]["loss_seen"]))
             device = self._first_param().device
             st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
             if "resolution" in st:
@@ -258,7 +257,8 @@ class NonansOptimizer(Optimizer):
             raise ValueError(f"set_loss expects a real scalar loss (a number or a one-element real tensor), "
                              f"got {loss!r:.80}")
         self._pending_loss = loss.detach()
-        self._loss_ever_given = True
+        if self._num_params():  # in the state, so that a resumed run keeps its Polyak step on
+            self._global()["loss_given"] = True
 
     def train(self, mode: bool = True) -> "NonansOptimizer":
         """Schedule-free swap: parameters go back to y (where gradients are taken). No-op otherwise."""
@@ -310,8 +310,6 @@ class NonansOptimizer(Optimizer):
             return loss
         st = self._global()
         st["step"] += 1
-        if self._pending_loss is not None:  # in the state too: a resumed run must keep its Polyak step on
-            st["loss_given"] = True
         res = self._get_resolution(st["step"]) if self._policy != "off" else None
         ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
@@ -439,5 +437,5 @@ class NonansOptimizer(Optimizer):
         if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
             out.update(self._get_resolution().summary())
         elif self.resolution_policy != "off":
-            out.update(Resolution.empty_summary())
+            out.update(Resolution(self._policy, 0, torch.device("cpu")).summary())  # the same keys, zero
         return out

@@ -30,7 +30,7 @@ _UNSUPPORTED = {"amsgrad": False, "maximize": False}
 # param_groups: the settings read at every step() (torch's __getstate__ keeps only its own three, so a
 # deep copy had no policy, impl or mode and failed at its first step). Caches (the counters' Resolution
 # object, device index tensors) are rebuilt on first use.
-CARRIED = ("_impl", "_policy", "_spike_factor", "_pending_loss", "_loss_ever_given", "_training",
+CARRIED = ("_impl", "_policy", "_spike_factor", "_pending_loss", "_training",
            "components", "_schedule_free", "_uses_polyak")
 
 
@@ -58,7 +58,8 @@ def check_loadable(opt, state_dict: dict[str, Any]) -> None:
     """Raise ValueError, before anything is replaced, when ``state_dict`` does not fit ``opt``: a group
     using a torch feature this library lacks, or a parameter whose saved state lacks a key a step of ``opt``
     needs (saved by another optimizer, or with other components) or holds a tensor of another shape (saved
-    for another model). Counts that do not match are left to torch's error; extra keys are carried."""
+    for another model). Counts that do not match are left to torch's error; extra keys are carried.
+    Called on the result of :func:`with_group_defaults`, so every group key ``opt`` uses is there."""
     saved_groups = _groups_fit(opt, state_dict)
     if saved_groups is None:
         return
@@ -69,7 +70,7 @@ def check_loadable(opt, state_dict: dict[str, Any]) -> None:
         if used:
             raise ValueError(f"this state_dict does not fit {name}: param group {i} uses {used}, which "
                              f"{name} does not implement")
-        merged = {**group, **saved, "params": group["params"]}
+        merged = {**saved, "params": group["params"]}
         for j, (pid, p) in enumerate(zip(saved["params"], group["params"])):
             st = state.get(pid)
             if not st:

@@ -312,17 +312,6 @@ class Resolution:
                     escalated=own and bool(t["ring_escalated"][slot, p_idx])))
         return out
 
-    @staticmethod
-    def empty_summary() -> dict[str, float]:
-        """:meth:`summary` of an optimizer that has recorded nothing yet: the same keys, all zero (a logger
-        sees one key set from the first call on)."""
-        out = {"resolution/events_total": 0.0}
-        for stage in STAGES:
-            out.update({f"resolution/events_{stage}": 0.0, f"resolution/nan_{stage}": 0.0,
-                        f"resolution/inf_{stage}": 0.0})
-        out.update({"resolution/escalations": 0.0, "resolution/min_scale": 1.0})
-        return out
-
     def summary(self) -> dict[str, float]:
         t = {k: v.cpu() for k, v in self.tensors.items() if not k.startswith("ring")}
         out = {"resolution/events_total": float(t["events"].sum())}

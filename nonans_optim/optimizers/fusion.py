@@ -149,7 +149,7 @@ class Fusion(NonansOptimizer):
 
     def _before_groups(self, ctx: dict[str, Any]) -> None:
         super()._before_groups(ctx)
-        if not (self._uses_polyak and self._loss_ever_given):
+        if not (self._uses_polyak and self._global().get("loss_given", False)):
             return
         grads = [p.grad for p in self._all_params() if p.grad is not None]
         if not grads:
