@@ -27,6 +27,7 @@ import torch
 from experiments.questions_io import publish
 
 import nonans_optim as no
+from nonans_optim._checkpoint import GLOBAL_KEY
 from experiments._models import (DEFAULT, QUICK, build_gpt, count_params, hidden_matrices, ns5_flops,
                                  synthetic_grads)
 
@@ -97,6 +98,9 @@ def state_bytes(opts: list[torch.optim.Optimizer], params: set[int]) -> tuple[in
 
     for opt in opts:
         for key, st in opt.state.items():
+            if isinstance(st, dict) and GLOBAL_KEY in st:  # one parameter carries ours' optimizer-level state
+                glob += walk(st[GLOBAL_KEY])
+                st = {k: v for k, v in st.items() if k != GLOBAL_KEY}
             if isinstance(key, torch.Tensor) and id(key) in params:
                 per += walk(st)
             else:

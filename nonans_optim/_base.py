@@ -2,9 +2,11 @@
 metrics(), events and the resolution bookkeeping. No algorithm math lives here (see ``functional/`` and
 ``optimizers/_scalar.py`` and ``optimizers/_spectral.py``).
 
-Optimizer-level state lives under the non-parameter key ``"nonans"`` of ``self.state`` so that torch's own
-``state_dict()`` / ``load_state_dict()`` carry it (they pass non-tensor keys through unchanged): the global
-step, the Polyak EMAs and the resolution counters all survive a checkpoint.
+Optimizer-level state — the global step, the Polyak EMAs, the resolution counters, the train/eval mode —
+lives in one parameter's state, under the key ``"nonans"`` (:data:`._checkpoint.GLOBAL_KEY`; the
+parameter is the first trainable one, the "carrier"). So every checkpoint path carries it as it carries
+per-parameter state: torch's ``state_dict()``, and ``torch.distributed.checkpoint``, which accepts only
+parameter keys in ``state``.
 """
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._checkpoint import CARRIED, check_loadable, step_from_params, with_group_defaults
+from ._checkpoint import (CARRIED, GLOBAL_KEY, check_loadable, copy_to, global_entry, legacy_global,
+                          move_global_to_carrier, step_from_params, with_group_defaults)
 from ._validation import _check_float, _check_int, check_betas
 from .functional.polyak import init_polyak
 from .functional.schedule_free import sf_weight
-from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
+from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy, last_policy
 
 __all__ = ["NonansOptimizer"]
 
@@ -53,6 +57,10 @@ class NonansOptimizer(Optimizer):
         self._training = True
         self._resolution: Resolution | None = None
         self._index_cache: dict[tuple, torch.Tensor] = {}
+        self._carrier_cache: torch.Tensor | None = None
+        # the policy last written to the counters' policy_log (None: none yet), kept on the host so that
+        # deciding whether to log a change never reads the device
+        self._logged_policy: str | None = None
 
     # ------------------------------------------------------------------ param bookkeeping
     def _all_params(self) -> list[torch.Tensor]:
@@ -73,13 +81,34 @@ class NonansOptimizer(Optimizer):
             names.extend(gn if gn is not None else [None] * len(group["params"]))
         return [n if n is not None else i for i, n in enumerate(names)]
 
+    def _carrier(self) -> torch.Tensor:
+        """The parameter whose state holds the optimizer-level dict: the one that holds it already (a
+        loaded checkpoint decides), else the first that requires grad — torch.distributed.checkpoint
+        drops the state of frozen parameters — else the first. Only called when there are parameters."""
+        c = self._carrier_cache
+        if c is None:
+            params = self._all_params()
+            c = next((p for p in params if GLOBAL_KEY in self.state.get(p, ())), None)
+            if c is None:
+                c = next((p for p in params if p.requires_grad), params[0])
+            self._carrier_cache = c
+        return c
+
+    def _global_state(self) -> dict[str, Any] | None:
+        """The optimizer-level state, or None before anything made it (never creates it)."""
+        if not self._num_params():
+            return None
+        return self.state.get(self._carrier(), {}).get(GLOBAL_KEY)
+
     def _global(self) -> dict[str, Any]:
-        """Optimizer-level state, created lazily on the parameters' device."""
-        st = self.state.get("nonans")
+        """Optimizer-level state, created lazily on the parameters' device, with every key from the start:
+        ``dcp.load`` fills only the entries the loading optimizer already has (a key added later, such as
+        the mode on the first eval(), would be dropped from a checkpoint)."""
+        st = self._global_state()
         if st is None:
             device = self._first_param().device
-            st = {"step": 0, "polyak": init_polyak(device)}
-            self.state["nonans"] = st
+            st = {"step": 0, "polyak": init_polyak(device), "train_mode": self._training, "loss_given": False}
+            self.state[self._carrier()][GLOBAL_KEY] = st
         return st
 
     # resolution_policy, impl and spike_factor are read at every step(), so they may be changed between
@@ -128,13 +157,12 @@ class NonansOptimizer(Optimizer):
                 res.load_state_dict(saved, grow=True)
             self._resolution = res
             st["resolution"] = res.tensors  # the same dict from now on: record_step updates it in place
-            res.policy_history = st.setdefault("resolution_policies", [])  # likewise, for set_policy
-            if not res.policy_history or res.policy_history[-1][1] != self._policy:
-                # a fresh optimizer, or one that loaded a checkpoint saved under another policy: this
-                # one applies from the coming step on (events before it keep their own labels)
-                res.set_policy(self._policy, (st["step"] + bool(res.policy_history)) if step is None else step)
-        if step is not None and res.policy != self._policy:  # changed since the last step: applies from this one
-            res.set_policy(self._policy, step)
+        if self._logged_policy != self._policy:
+            # a fresh optimizer, a policy changed since the last step, or a checkpoint saved under another
+            # policy: this one applies from this step (or, read between steps, the coming one); events
+            # before it keep the labels of the policy they were recorded under
+            res.set_policy(self._policy, self._global()["step"] + 1 if step is None else step)
+            self._logged_policy = self._policy
         return res
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -151,6 +179,11 @@ class NonansOptimizer(Optimizer):
             if complex_:
                 raise ValueError(f"complex parameters are not supported (got {complex_[0]}); "
                                  "view them as real with torch.view_as_real")
+            wrapped = [type(p).__name__ for p in params if is_traceable_wrapper_subclass(p)]
+            if wrapped:  # the fused kernels read storage such a tensor does not have (DTensor: a null pointer)
+                raise ValueError(f"{wrapped[0]} parameters are not supported (FSDP2's fully_shard and tensor "
+                                 "parallelism shard parameters as DTensors; the spectral step needs whole "
+                                 "matrices): use DDP or a single device")
             self._check_group(self.param_groups[-1])
         except ValueError:
             self.param_groups.pop()
@@ -192,25 +225,29 @@ class NonansOptimizer(Optimizer):
         and the shape of every state tensor), with group keys it lacks taken from the current groups. A
         checkpoint without the optimizer-level state (``torch.optim.AdamW``'s) resumes the global step
         from its parameters' ``step``."""
-        state_dict = with_group_defaults(self, state_dict)  # a new dict: the caller's is not modified
+        state_dict = with_group_defaults(self, state_dict)  # new dicts: the caller's is not modified
+        if self._num_params():  # an old checkpoint kept the optimizer-level state at the top of "state"
+            carrier = self._carrier()
+            self._carrier_cache = None  # (the loaded state decides it from now on)
+            state_dict = move_global_to_carrier(state_dict, [id(p) for p in self._all_params()].index(id(carrier)))
         check_loadable(self, state_dict)
         super().load_state_dict(state_dict)
         self._restore_buffer_dtypes(state_dict)
-        self._resolution = None
-        st = self.state.get("nonans")
-        if st is None and self._num_params():
+        self._resolution, self._carrier_cache, self._logged_policy = None, None, None
+        saved = global_entry(state_dict)
+        if saved is None and self._num_params():
             step = step_from_params(state_dict)
             if step is not None:
                 self._global()["step"] = step
-        elif st is not None:  # restore the mode; move optimizer-level tensors to the parameters' device
+        elif saved is not None:  # torch cast it to its carrier's dtype: take it as saved, on the params' device
+            carrier = self._all_params()[saved[0]]
+            self._carrier_cache = carrier
+            st = self.state[carrier][GLOBAL_KEY] = copy_to(saved[1], self._first_param().device)
             self._training = bool(st.get("train_mode", True))
             # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
             # before the flag was stored tell it by a finite loss having been seen
             st.setdefault("loss_given", bool(st["polyak"]["loss_seen"]))
-            device = self._first_param().device
-            st["polyak"] = {k: v.to(device) for k, v in st["polyak"].items()}
-            if "resolution" in st:
-                st["resolution"] = {k: v.to(device) for k, v in st["resolution"].items()}
+            self._logged_policy = last_policy(st["resolution"]["policy_log"]) if "resolution" in st else None
 
     def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
         """The state a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor: then so are
@@ -227,6 +264,11 @@ class NonansOptimizer(Optimizer):
         super().__setstate__(state)  # also called by torch's load_state_dict, with state and groups only
         self.__dict__.setdefault("_resolution", None)
         self.__dict__.setdefault("_index_cache", {})
+        self.__dict__.setdefault("_carrier_cache", None)
+        self.__dict__.setdefault("_logged_policy", None)
+        legacy = self.state.pop(GLOBAL_KEY, None)  # an optimizer pickled with the old layout
+        if legacy is not None and self._num_params():
+            self.state[self._carrier()][GLOBAL_KEY] = legacy_global(legacy)
 
     def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
         """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept
@@ -416,7 +458,7 @@ class NonansOptimizer(Optimizer):
     def events(self) -> list[SingularityEvent]:
         """Resolved singularities of the last steps that had any (materialised now: this syncs). Counters
         recorded before the policy was switched to "off" are still reported."""
-        st = self.state.get("nonans")
+        st = self._global_state()
         if st is None or (self.resolution_policy == "off" and "resolution" not in st):
             return []
         res = self._get_resolution()
@@ -424,7 +466,7 @@ class NonansOptimizer(Optimizer):
 
     def metrics(self) -> dict[str, float]:
         """Scalars for logging (the only method that synchronises with the device)."""
-        st = self.state.get("nonans")
+        st = self._global_state()
         out: dict[str, float] = {"optim/step": float(st["step"] if st else 0)}
         if self._uses_polyak:
             pol = st["polyak"] if st else None

@@ -27,9 +27,9 @@ import torch
 from . import native
 
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "finite_mask", "storable_mask",
-           "inspect", "tensor_counts", "check_policy"]
+           "inspect", "tensor_counts", "check_policy", "last_policy"]
 
-POLICIES = ("repair", "skip", "off")
+POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
 
 # Where a non-finite value can be met. "grad": the incoming gradient. "moment": a moment update that
 # overflowed with a finite gradient (g² > fp32 max in exp_avg_sq; g - m inside the lerp of exp_avg, the
@@ -120,6 +120,12 @@ class SingularityEvent:
     escalated: bool = False
 
 
+def last_policy(policy_log: torch.Tensor) -> str | None:
+    """The policy of ``policy_log``'s last row (None when empty) — a host read, for load time."""
+    code = int(policy_log[-1, 1])
+    return POLICIES[code] if code >= 0 else None
+
+
 class NativeArgs:
     """What :meth:`Resolution.native_args` caches: the pointers of the counters a native kernel reads and
     writes (``ema``, ``sel`` — the int64 global indices —, ``scale``, ``streak``, ``events``), ``pack`` (the
@@ -152,16 +158,18 @@ class Resolution:
       free slot and no branch on a device value is needed;
     * ``scale`` (P,) fp32 and ``clean_streak`` (P,) int64 — escalation: a repeated event (within
       ``repeat_window`` steps of the previous one) halves the parameter's step-size multiplier (floor
-      ``min_scale``); every ``growth_interval`` clean steps double it back toward 1.
+      ``min_scale``); every ``growth_interval`` clean steps double it back toward 1;
+    * ``policy_log`` (K, 2) int64 — rows [first step, policy code] of the last K times a policy took
+      effect, oldest first, [-1, -1] where unused: an event is labelled with the action of the policy in
+      force at its step. A fixed-shape tensor, not a list, so that every checkpoint format carries it —
+      ``torch.distributed.checkpoint`` loads into tensors of the shape the fresh optimizer has and refuses
+      lists in a flattened optimizer state. Appended on the device (a shift), so a change needs no sync.
     """
 
     def __init__(self, policy: str, num_params: int, device: torch.device, *, ring_size: int = 64,
                  backoff: float = 0.5, growth_interval: int = 100, repeat_window: int = 10,
                  min_scale: float = 2.0 ** -10):
         self.policy = check_policy(policy)
-        # [first step, policy] each time the policy changed (the optimizer keeps this list in its state, so
-        # it survives a checkpoint): an event is labelled with the action of the policy in force at its step
-        self.policy_history: list[list] = []
         self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
         self.repeat_window = repeat_window
         self._native_cache: dict = {}  # native.record_step's checked pointers
@@ -183,6 +191,7 @@ class Resolution:
             "clean_streak": torch.zeros(P, dtype=torch.int64, device=device),
             "escalations": torch.zeros(P, dtype=torch.int64, device=device),
             "grad_norm_ema": torch.zeros(P, dtype=torch.float32, device=device),
+            "policy_log": torch.full((K, 2), -1, dtype=torch.int64, device=device),
         }
 
     @property
@@ -279,23 +288,29 @@ class Resolution:
                                    repeat_window=self.repeat_window, cache=self._native_cache)
 
     def set_policy(self, policy: str, step: int) -> None:
-        """The policy from ``step`` on (host state only; the optimizer calls it when its policy changed)."""
+        """The policy from ``step`` on: appended to ``policy_log`` on the device (the optimizer calls it when
+        its policy changed, and when it rebuilds the counters: a repeated row is harmless)."""
         self.policy = check_policy(policy)
-        if not self.policy_history or self.policy_history[-1][1] != policy:
-            self.policy_history.append([int(step), policy])
+        log = self.tensors["policy_log"]
+        row = torch.full((1, 2), int(step), dtype=torch.int64, device=log.device)
+        row[0, 1] = POLICIES.index(policy)
+        log.copy_(torch.cat((log[1:], row)))
 
-    def policy_at(self, step: int) -> str:
-        """The policy in force at ``step`` (the earliest recorded one before the history starts)."""
-        current = self.policy_history[0][1] if self.policy_history else self.policy
-        for first, policy in self.policy_history:
+    def policy_at(self, step: int, log: list[list[int]] | None = None) -> str:
+        """The policy in force at ``step`` (the earliest logged one before the log starts). ``log``: the
+        host copy of ``policy_log`` (read once by :meth:`materialise`)."""
+        rows = [r for r in (log if log is not None else self.tensors["policy_log"].tolist()) if r[0] >= 0]
+        current = POLICIES[rows[0][1]] if rows else self.policy
+        for first, code in rows:
             if first > step:
                 break
-            current = policy
+            current = POLICIES[code]
         return current
 
     # ----- host side: only called from metrics()/events, never from step() -----
     def materialise(self, names: list[str | int], numels: list[int]) -> list[SingularityEvent]:
         t = {k: v.cpu() for k, v in self.tensors.items() if k.startswith("ring")}
+        log = self.tensors["policy_log"].tolist()
         K = t["ring_step"].shape[0]
         ptr = int(t["ring_ptr"])
         out: list[SingularityEvent] = []
@@ -308,12 +323,12 @@ class Resolution:
                 out.append(SingularityEvent(
                     step=int(t["ring_step"][slot]), param=names[p_idx] if own else None, stage=STAGES[s_idx],
                     nan_count=nan, inf_count=inf, numel=numels[p_idx] if own else 1,
-                    action=ACTIONS[self.policy_at(int(t["ring_step"][slot]))],
+                    action=ACTIONS[self.policy_at(int(t["ring_step"][slot]), log)],
                     escalated=own and bool(t["ring_escalated"][slot, p_idx])))
         return out
 
     def summary(self) -> dict[str, float]:
-        t = {k: v.cpu() for k, v in self.tensors.items() if not k.startswith("ring")}
+        t = {k: self.tensors[k].cpu() for k in ("events", "counts", "escalations", "scale")}
         out = {"resolution/events_total": float(t["events"].sum())}
         for s_idx, stage in enumerate(STAGES):
             out[f"resolution/events_{stage}"] = float(t["events"][:, s_idx].sum())

@@ -144,7 +144,7 @@ def assert_resolution_matches(ref_opt, got_opt, *, ema_rtol: float = 1e-5) -> No
     """Two runs of the same steps under a resolution policy (an implementation against the loop): every
     Resolution tensor — counts, events, the event ring, escalation state — is identical, the spike guard's
     norm EMA agrees within ``ema_rtol`` (a norm summed in another order), and so do the events."""
-    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
+    ref_res, got_res = ref_opt._global()["resolution"], got_opt._global()["resolution"]
     assert ref_res.keys() == got_res.keys()
     for key in ref_res:
         if key != "grad_norm_ema":
@@ -179,5 +179,5 @@ def assert_skip_holds_as_the_loop_does(cls, impl: str, device: str = "cpu") -> N
     assert not [e for e in event_tuples(ref_opt) if e[0] == 4 and e[2] == "update"]  # held: nothing counted
     assert event_tuples(got_opt) == event_tuples(ref_opt)
     torch.testing.assert_close(got, ref)
-    res = [o.state["nonans"]["resolution"]["scale"] for o in (ref_opt, got_opt)]
+    res = [o._global()["resolution"]["scale"] for o in (ref_opt, got_opt)]
     assert torch.equal(res[0].cpu(), res[1].cpu())

@@ -54,7 +54,7 @@ def _assert_identical(ref, got) -> None:
     assert ref_state.keys() == got_state.keys()
     for key, val in ref_state.items():
         assert torch.equal(val, got_state[key]), key
-    ref_res, got_res = ref_opt.state["nonans"]["resolution"], got_opt.state["nonans"]["resolution"]
+    ref_res, got_res = ref_opt._global()["resolution"], got_opt._global()["resolution"]
     for key, val in ref_res.items():
         assert torch.equal(val, got_res[key]), key
     assert int(got_res["events"][:, 5].sum()) > 0  # the guard fired (stage "spike"): the case is real

@@ -59,7 +59,7 @@ def test_compiled_matches_loop(cls, policy):
         return
     assert all(torch.isfinite(p).all() for p in got)
     assert_resolution_matches(ref_opt, got_opt)
-    assert got_opt.state["nonans"]["resolution"]["counts"].sum() > 0
+    assert got_opt._global()["resolution"]["counts"].sum() > 0
 
 
 def test_lr_change_and_clean_repair_equals_off():

@@ -75,7 +75,7 @@ def test_compiled_spectral_matches_loop(cls, kw, policy, impl):
     if policy == "off":
         return
     assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
-    assert got_opt.state["nonans"]["resolution"]["counts"].sum() > 0
+    assert got_opt._global()["resolution"]["counts"].sum() > 0
 
 
 @pytest.mark.parametrize("impl", ["compiled", "fused"])
@@ -97,8 +97,8 @@ def test_uncovered_groups_run_foreach(cls, policy):
     for p, q in zip(ref, got):
         assert torch.isfinite(q).all()
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
-    assert torch.equal(got_opt.state["nonans"]["resolution"]["counts"],
-                       ref_opt.state["nonans"]["resolution"]["counts"])
+    assert torch.equal(got_opt._global()["resolution"]["counts"],
+                       ref_opt._global()["resolution"]["counts"])
 
 
 def test_steps_and_lr_schedule_do_not_recompile():

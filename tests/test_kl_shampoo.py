@@ -290,7 +290,8 @@ def test_precondition_clean_call():
 @pytest.mark.parametrize("inject", ["inf_eig", "nan_eig", "huge_M", "fp16_cast"])
 def test_precondition_bypass_on_nonfinite(inject):
     state = warm_state(6, 4)
-    M = torch.randn(6, 4)
+    # seeded: with the global RNG, about 1 draw in 70 left the fp16 case's P under 65504 (a flaky failure)
+    M = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
     if inject == "inf_eig":
         state["kl_eigvals_left"][2] = float("inf")  # 1/√Inf = 0 would silently zero a direction
     elif inject == "nan_eig":

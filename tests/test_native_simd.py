@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from nonans_optim import native
+from nonans_optim._checkpoint import global_entry
 
 HERE = Path(__file__).parent
 
@@ -167,12 +168,12 @@ def test_simd_build_writes_the_portable_bits(tmp_path, simd, width):
             assert torch.equal(_bits(a[name]), _bits(b[name])), (key, name)
             compared += 1
         if isinstance(key, tuple) and key[1:] == ("repair",):  # the overflow runs really overflowed
-            counts = fast[key][1]["state"]["nonans"]["resolution"]["counts"]
+            counts = global_entry(fast[key][1])[1]["resolution"]["counts"]
             assert counts[:, 3].sum() > 0, key
             update_events += int(counts[:, 3].sum())
             assert all(torch.isfinite(p).all() for p in fast[key][0]), key
         if isinstance(key, tuple) and key[1] == "magnitude":
             assert all(torch.isfinite(p).all() for p in fast[key][0]), key
-            overflows[key[0]] += int(fast[key][1]["state"]["nonans"]["resolution"]["counts"][:, 1:4].sum())
+            overflows[key[0]] += int(global_entry(fast[key][1])[1]["resolution"]["counts"][:, 1:4].sum())
     assert compared > 100 and update_events > 0
     assert min(overflows.values()) > 0, overflows  # the magnitude runs did overflow inside the step

@@ -203,13 +203,13 @@ def test_nonfinite_loss_leaves_polyak_emas(info):
     train_steps(model, opt, 3)
     if not getattr(opt, "_uses_polyak", False):
         pytest.skip("no Polyak step")
-    ema = dict(opt.state["nonans"]["polyak"])
+    ema = dict(opt._global()["polyak"])
     ema = {k: v.clone() for k, v in ema.items()}
     opt.zero_grad()
     loss_fn(model, make_batch(77)).backward()
     opt.set_loss(torch.tensor(float("nan")))
     opt.step()
-    assert torch.equal(opt.state["nonans"]["polyak"]["loss_ema"], ema["loss_ema"])
+    assert torch.equal(opt._global()["polyak"]["loss_ema"], ema["loss_ema"])
     assert all_finite(model, opt)
     assert opt.metrics()["resolution/events_loss"] == 1.0
 
@@ -293,7 +293,7 @@ def test_escalation_backs_off_on_repeated_events_and_grows_back():
     model = make_model()
     opt = no.AdamW(model.named_parameters(), lr=1e-2)
     opt.zero_grad()
-    res_scale = lambda: opt.state["nonans"]["resolution"]["scale"]  # noqa: E731
+    res_scale = lambda: opt._global()["resolution"]["scale"]  # noqa: E731
 
     def bad(step, m):
         if step < 3:

@@ -180,7 +180,7 @@ def test_every_impl_guards_a_spike_beside_a_nan(cls, kw, impl):
                 g.view(-1)[1] = 1e30
 
     train_steps(model, opt, 4)
-    ema = opt.state["nonans"]["resolution"]["grad_norm_ema"].clone()
+    ema = opt._global()["resolution"]["grad_norm_ema"].clone()
     before = [p.detach().clone() for p in model.parameters()]
     train_steps(model, opt, 1, seed=4, inject=lambda step, m: spike(4, m))
     stages = {(e.param, e.stage) for e in opt.events if e.step == 5}
@@ -188,7 +188,7 @@ def test_every_impl_guards_a_spike_beside_a_nan(cls, kw, impl):
     names = [n for n, _ in model.named_parameters()]
     for n in ("fc1.weight", "fc2.bias"):
         i = names.index(n)
-        assert opt.state["nonans"]["resolution"]["grad_norm_ema"][i] == ema[i], n
+        assert opt._global()["resolution"]["grad_norm_ema"][i] == ema[i], n
     for p, q in zip(before, model.parameters()):
         assert torch.isfinite(q).all() and (q - p).abs().max() < 0.1
     for p in model.parameters():

@@ -38,7 +38,7 @@ def test_a_bad_loss_is_nobodys_event_and_backs_nothing_off(impl):
     assert m["resolution/escalations"] == 0.0
     evs = opt.events
     assert len(evs) == 8 and all(e.param is None and e.stage == "loss" and e.numel == 1 for e in evs)
-    assert float(opt.state["nonans"]["resolution"]["scale"].min()) == 1.0
+    assert float(opt._global()["resolution"]["scale"].min()) == 1.0
 
 
 def _batch():
@@ -60,7 +60,7 @@ def test_add_param_group_keeps_counters_and_escalation():
         assert after[key] == before[key], key
     assert [e.step for e in opt.events] == list(range(2, 7))
     train_steps(model, opt, 1)  # and the grown counters step
-    assert opt.state["nonans"]["resolution"]["scale"].shape[0] == 4
+    assert opt._global()["resolution"]["scale"].shape[0] == 4
 
 
 def test_a_checkpoint_saved_under_skip_resumes_labelled_repair():

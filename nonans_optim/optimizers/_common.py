@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
+from .._checkpoint import GLOBAL_KEY
 from ..resolution import STAGE_INDEX, STAGES, inspect
 
 __all__ = ["check_sizes", "record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
@@ -61,7 +62,8 @@ def resolution_written(ctx: dict[str, Any]) -> list[torch.Tensor]:
 
 def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:
     """Copies of every parameter and state tensor ("skip" policy: restored when a gradient was bad)."""
-    return [(p.clone(), {k: v.clone() for k, v in st.items() if k != "step"}) for p, st in zip(params, states)]
+    return [(p.clone(), {k: v.clone() for k, v in st.items() if k not in ("step", GLOBAL_KEY)})
+            for p, st in zip(params, states)]
 
 
 def hold_flag(ctx: dict[str, Any], index: int, grad_counts: torch.Tensor, numel: int) -> torch.Tensor:

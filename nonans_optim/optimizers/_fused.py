@@ -44,9 +44,12 @@ _WARNED: list[bool] = []
 
 def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> Int64Array | None:
     """The data pointers, or None unless every tensor is a contiguous CPU tensor of ``dtype`` (a pointer
-    to anything else — a CUDA address, a strided view — must never reach the C loops)."""
+    to anything else — a CUDA address, a strided view — must never reach the C loops) with storage of its
+    own: a wrapper subclass (DTensor) reports all of that and a null pointer, which segfaulted."""
     ptrs = [t.data_ptr() for t in tensors if t.is_cpu and t.dtype is dtype and t.is_contiguous()]
-    return Int64Array(ptrs) if len(ptrs) == len(tensors) else None
+    if len(ptrs) != len(tensors) or (0 in ptrs and any(not a and t.numel() for a, t in zip(ptrs, tensors))):
+        return None
+    return Int64Array(ptrs)
 
 
 _OFF = dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0, rec=None,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._base import NonansOptimizer
+from .._checkpoint import needs_init
 from .._validation import check_betas
 from ..functional.schedule_free import to_x_, to_y_
 from ._scalar import scalar_init_state, scalar_update
@@ -33,7 +34,7 @@ class _ScalarOnly(NonansOptimizer):
             if j not in found:
                 continue
             st = self.state[p]
-            if not st:
+            if needs_init(st):
                 st.update(scalar_init_state(p, sf=self._sf))
             params.append(p)
             grads.append(found[j])

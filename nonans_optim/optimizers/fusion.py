@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .._base import NonansOptimizer
+from .._checkpoint import needs_init
 from .._validation import _check_float, _check_int, check_betas
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
@@ -191,7 +192,7 @@ class Fusion(NonansOptimizer):
                 continue
             path = self._path_of(group, j, p)
             st = self.state[p]
-            if not st:
+            if needs_init(st):
                 st.update(self._init_state(group, j, p))
             for lst, item in zip(lists[path], (p, found[j], st, ctx["index"] + j)):
                 lst.append(item)
