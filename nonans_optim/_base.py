@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +25,7 @@ from ._checkpoint import (CARRIED, GLOBAL_KEY, check_loadable, copy_to, global_e
 from ._validation import _check_float, _check_int, check_betas
 from .functional.polyak import init_polyak
 from .functional.schedule_free import sf_weight
-from .resolution import STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy, last_policy
+from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
 
 __all__ = ["NonansOptimizer"]
 
@@ -58,9 +59,6 @@ class NonansOptimizer(Optimizer):
         self._resolution: Resolution | None = None
         self._index_cache: dict[tuple, torch.Tensor] = {}
         self._carrier_cache: torch.Tensor | None = None
-        # the policy last written to the counters' policy_log (None: none yet), kept on the host so that
-        # deciding whether to log a change never reads the device
-        self._logged_policy: str | None = None
 
     # ------------------------------------------------------------------ param bookkeeping
     def _all_params(self) -> list[torch.Tensor]:
@@ -107,7 +105,10 @@ class NonansOptimizer(Optimizer):
         st = self._global_state()
         if st is None:
             device = self._first_param().device
-            st = {"step": 0, "polyak": init_polyak(device), "train_mode": self._training, "loss_given": False}
+            # logged_policy: the code of the policy in the last row of the counters' policy_log (-1: none),
+            # a host int beside the log so that deciding whether to log a change never reads the device
+            st = {"step": 0, "polyak": init_polyak(device), "train_mode": self._training, "loss_given": False,
+                  "logged_policy": -1}
             self.state[self._carrier()][GLOBAL_KEY] = st
         return st
 
@@ -149,20 +150,23 @@ class NonansOptimizer(Optimizer):
         read between steps, where a policy just set has not applied to anything yet)."""
         res = self._resolution
         P = self._num_params()
-        if res is None or res.num_params != P:
-            st = self._global()
+        st = self._global()
+        # (the counters in the state are not this object's when something else replaced the state: a
+        # ZeroRedundancyOptimizer or DCP load writes it without going through load_state_dict)
+        if res is None or res.num_params != P or st.get("resolution") is not res.tensors:
             res = Resolution(self._policy, P, self._first_param().device)
             saved = st.get("resolution")
             if saved is not None and saved["scale"].shape[0] <= P:  # fewer: parameters added since
                 res.load_state_dict(saved, grow=True)
             self._resolution = res
             st["resolution"] = res.tensors  # the same dict from now on: record_step updates it in place
-        if self._logged_policy != self._policy:
+        code = POLICIES.index(self._policy)
+        if st.get("logged_policy", -1) != code:
             # a fresh optimizer, a policy changed since the last step, or a checkpoint saved under another
             # policy: this one applies from this step (or, read between steps, the coming one); events
             # before it keep the labels of the policy they were recorded under
-            res.set_policy(self._policy, self._global()["step"] + 1 if step is None else step)
-            self._logged_policy = self._policy
+            res.set_policy(self._policy, st["step"] + 1 if step is None else step)
+            st["logged_policy"] = code
         return res
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -220,20 +224,43 @@ class NonansOptimizer(Optimizer):
         if "warmup_steps" in group:
             group["warmup_steps"] = _check_int("warmup_steps", group["warmup_steps"])
 
+    @torch.compiler.disable  # (as torch's own load_state_dict)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, after checking that the checkpoint fits this optimizer (:mod:`._checkpoint`: keys,
         and the shape of every state tensor), with group keys it lacks taken from the current groups. A
         checkpoint without the optimizer-level state (``torch.optim.AdamW``'s) resumes the global step
-        from its parameters' ``step``."""
+        from its parameters' ``step``.
+
+        Load hooks keep torch's contract: pre-hooks see the checkpoint as given and may adapt it (torch's
+        docs suggest one to remap parameters) before anything here checks it; post-hooks run once the load
+        is complete, the optimizer-level state included. torch's load would run them around its own part
+        only — the checks refused what a pre-hook was about to fix, and post-hooks saw the previous run's
+        counters (an audit, 2026-11-25)."""
+        state_dict = state_dict.copy()  # (shallow, as torch's)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        named = [isinstance(g, dict) and "param_names" in g for g in state_dict.get("param_groups", ())]
         state_dict = with_group_defaults(self, state_dict)  # new dicts: the caller's is not modified
         if self._num_params():  # an old checkpoint kept the optimizer-level state at the top of "state"
             carrier = self._carrier()
             self._carrier_cache = None  # (the loaded state decides it from now on)
             state_dict = move_global_to_carrier(state_dict, [id(p) for p in self._all_params()].index(id(carrier)))
-        check_loadable(self, state_dict)
-        super().load_state_dict(state_dict)
+        check_loadable(self, state_dict, named)
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:  # torch's part, with the hooks run here instead
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
+        self._finish_load(state_dict)
+        for hook in post.values():
+            hook(self)
+
+    def _finish_load(self, state_dict: dict[str, Any]) -> None:
+        """After torch's part of a load: buffer dtypes, and the optimizer-level state as saved."""
         self._restore_buffer_dtypes(state_dict)
-        self._resolution, self._carrier_cache, self._logged_policy = None, None, None
+        self._resolution, self._carrier_cache = None, None
         saved = global_entry(state_dict)
         if saved is None and self._num_params():
             step = step_from_params(state_dict)
@@ -247,7 +274,6 @@ class NonansOptimizer(Optimizer):
             # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
             # before the flag was stored tell it by a finite loss having been seen
             st.setdefault("loss_given", bool(st["polyak"]["loss_seen"]))
-            self._logged_policy = last_policy(st["resolution"]["policy_log"]) if "resolution" in st else None
 
     def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
         """The state a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor: then so are
@@ -265,7 +291,6 @@ class NonansOptimizer(Optimizer):
         self.__dict__.setdefault("_resolution", None)
         self.__dict__.setdefault("_index_cache", {})
         self.__dict__.setdefault("_carrier_cache", None)
-        self.__dict__.setdefault("_logged_policy", None)
         legacy = self.state.pop(GLOBAL_KEY, None)  # an optimizer pickled with the old layout
         if legacy is not None and self._num_params():
             self.state[self._carrier()][GLOBAL_KEY] = legacy_global(legacy)
@@ -282,6 +307,7 @@ class NonansOptimizer(Optimizer):
                 st["momentum_buffer"] = st["momentum_buffer"].to(saved.dtype)
 
     # ------------------------------------------------------------------ user-facing API
+    @torch.compiler.disable  # dynamo drops attribute writes on an Optimizer (see below)
     def set_loss(self, loss: torch.Tensor | float) -> None:
         """Give this step's loss (the Polyak input). Harmless for optimizers without a Polyak step.
 
@@ -289,7 +315,12 @@ class NonansOptimizer(Optimizer):
         Polyak step uses it, the multiplier falls back to 1 and a "loss" event is recorded). The Polyak
         ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real
         number (numpy scalars included) or a one-element real tensor; a bool or complex value is refused
-        here rather than at the step."""
+        here rather than at the step.
+
+        Not traced by torch.compile (nor are train()/eval()): inside a compiled training step dynamo
+        discarded the writes these make to the optimizer, so the Polyak step silently never turned on and
+        eval() swapped the parameters but left the mode "train" (an audit, 2026-11-25; torch disables
+        dynamo on its own zero_grad and load_state_dict the same way)."""
         if isinstance(loss, numbers.Real) and not isinstance(loss, (bool, np.bool_)):
             loss = torch.tensor(float(loss))
         if isinstance(loss, np.ndarray) and loss.size == 1 and loss.dtype.kind in "iuf":
@@ -302,6 +333,7 @@ class NonansOptimizer(Optimizer):
         if self._num_params():  # in the state, so that a resumed run keeps its Polyak step on
             self._global()["loss_given"] = True
 
+    @torch.compiler.disable
     def train(self, mode: bool = True) -> "NonansOptimizer":
         """Schedule-free swap: parameters go back to y (where gradients are taken). No-op otherwise."""
         if not mode:
@@ -311,6 +343,7 @@ class NonansOptimizer(Optimizer):
         self._set_mode(True)
         return self
 
+    @torch.compiler.disable
     def eval(self) -> "NonansOptimizer":
         """Schedule-free swap: parameters hold the averaged x (evaluate and checkpoint here)."""
         if self._training:
@@ -328,13 +361,20 @@ class NonansOptimizer(Optimizer):
     def _swap(self, *, to_train: bool) -> None:  # overridden by schedule-free optimizers
         return None
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One optimizer step; ``closure`` (re-evaluates the model, returns the loss) is called first, under
         grad mode, and its loss returned, as in torch.optim. Its loss is *not* fed to the Polyak step: that
         stays what :meth:`set_loss` turns on (call it inside the closure to opt in), so ``step(closure)``
         takes the same step as ``closure(); step()`` — trainers that always pass a closure (Lightning's
-        automatic optimisation) would otherwise switch a 10x step multiplier on (OPEN_QUESTIONS.md, Q5)."""
+        automatic optimisation) would otherwise switch a 10x step multiplier on (OPEN_QUESTIONS.md, Q5).
+
+        Not traced by an outer torch.compile: a compiled training step breaks its graph here and runs the
+        step as written (its impl — native loops, foreach, or its own compiled kernels). Traced, the host
+        bookkeeping guarded on values that change every step (the schedule-free weight sum, the step
+        count), so dynamo recompiled at every step until its limit and then fell back anyway, and it
+        dropped the step's writes to the optimizer's attributes (an audit, 2026-11-25)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

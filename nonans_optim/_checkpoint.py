@@ -40,7 +40,7 @@ _UNSUPPORTED = {"amsgrad": False, "maximize": False}
 # param_groups: the settings read at every step() (torch's __getstate__ keeps only its own three, so a
 # deep copy had no policy, impl or mode and failed at its first step). Caches (the counters' Resolution
 # object, device index tensors) are rebuilt on first use.
-CARRIED = ("_impl", "_policy", "_spike_factor", "_pending_loss", "_training", "_logged_policy",
+CARRIED = ("_impl", "_policy", "_spike_factor", "_pending_loss", "_training",
            "components", "_schedule_free", "_uses_polyak")
 
 
@@ -82,17 +82,18 @@ def legacy_global(glob: dict[str, Any]) -> dict[str, Any]:
     [first step, policy] — becomes the (K, 2) ``policy_log`` tensor of the counters
     (:class:`nonans_optim.resolution.Resolution`)."""
     from .resolution import POLICIES
-    history = glob.get("resolution_policies")
+    history = glob.get("resolution_policies") or []
     res = glob.get("resolution")
-    if history is None or res is None or "policy_log" in res:
-        return {k: v for k, v in glob.items() if k != "resolution_policies"}
+    glob = {k: v for k, v in glob.items() if k != "resolution_policies"}
+    if res is None or "policy_log" in res:
+        return glob
     K = res["ring_step"].shape[0]
     log = torch.full((K, 2), -1, dtype=torch.int64)
     rows = [[int(step), POLICIES.index(policy)] for step, policy in history][-K:]
     if rows:
         log[K - len(rows):] = torch.tensor(rows, dtype=torch.int64)
     res = {**res, "policy_log": log.to(res["ring_step"].device)}
-    return {**{k: v for k, v in glob.items() if k != "resolution_policies"}, "resolution": res}
+    return {**glob, "resolution": res, "logged_policy": rows[-1][1] if rows else -1}
 
 
 def move_global_to_carrier(state_dict: dict[str, Any], carrier: int) -> dict[str, Any]:
@@ -131,12 +132,13 @@ def with_group_defaults(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
     return {**state_dict, "param_groups": groups}
 
 
-def check_loadable(opt, state_dict: dict[str, Any]) -> None:
+def check_loadable(opt, state_dict: dict[str, Any], named: list[bool] | None = None) -> None:
     """Raise ValueError, before anything is replaced, when ``state_dict`` does not fit ``opt``: a group
     using a torch feature this library lacks, or a parameter whose saved state lacks a key a step of ``opt``
     needs (saved by another optimizer, or with other components) or holds a tensor of another shape (saved
     for another model). Counts that do not match are left to torch's error; extra keys are carried.
-    Called on the result of :func:`with_group_defaults`, so every group key ``opt`` uses is there."""
+    Called on the result of :func:`with_group_defaults`, so every group key ``opt`` uses is there;
+    ``named``: per saved group, whether it had parameter names before that (for the error's hint)."""
     saved_groups = _groups_fit(opt, state_dict)
     if saved_groups is None:
         return
@@ -156,8 +158,11 @@ def check_loadable(opt, state_dict: dict[str, Any]) -> None:
             expected = opt._expected_state(merged, j, torch.empty_like(p, device="meta"))
             lacking = sorted(set(expected) - set(st))
             if lacking:
-                raise ValueError(f"this state_dict does not fit {name}: {where} has no {lacking} (was it saved "
-                                 "by another optimizer, or with other components?)")
+                renamed = named is not None and ("param_names" in group) != named[i]
+                hint = ("was it saved by another optimizer, or with other components?" if not renamed else
+                        "one of the checkpoint and this optimizer was given parameter names and the other "
+                        "was not; names decide which parameters take the scalar path")
+                raise ValueError(f"this state_dict does not fit {name}: {where} has no {lacking} ({hint})")
             for key, want in expected.items():
                 got = st[key]
                 if isinstance(want, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.shape != want.shape):

@@ -27,7 +27,7 @@ import torch
 from . import native
 
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "finite_mask", "storable_mask",
-           "inspect", "tensor_counts", "check_policy", "last_policy"]
+           "inspect", "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
 
@@ -118,12 +118,6 @@ class SingularityEvent:
     numel: int
     action: str
     escalated: bool = False
-
-
-def last_policy(policy_log: torch.Tensor) -> str | None:
-    """The policy of ``policy_log``'s last row (None when empty) — a host read, for load time."""
-    code = int(policy_log[-1, 1])
-    return POLICIES[code] if code >= 0 else None
 
 
 class NativeArgs:
@@ -354,8 +348,8 @@ class Resolution:
                 raise ValueError(f"resolution state {k!r} has shape {tuple(v.shape)}, expected "
                                  f"{tuple(self.tensors[k].shape)} (different number of parameters?)")
         new = {}
-        for k, fresh in self.tensors.items():
-            v = state[k].to(fresh.device)
+        for k, fresh in self.tensors.items():  # in its own dtype: a load that bypassed the optimizer's own
+            v = state[k].to(fresh.device, fresh.dtype)  # (ZeroRedundancyOptimizer's) cast fp32 ones to bf16
             if v.shape == fresh.shape:
                 new[k] = v.clone()
             else:  # the parameter axis is the one that differs; saved rows first, fresh ones after

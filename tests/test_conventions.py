@@ -293,3 +293,84 @@ def test_fp16_parameters_on_the_adam_path_warn():
         warnings.simplefilter("error")
         no.AdamW(nn.Linear(4, 4).bfloat16().parameters())
         no.SFNorMuon([nn.Parameter(torch.randn(4, 4, dtype=torch.float16))])
+
+
+@pytest.mark.parametrize("name", ["SFNorMuon", "SFAdamW"])
+def test_a_compiled_training_step_matches_eager_and_compiles_once(name):
+    """torch.compile of the README's training step — forward, backward, set_loss, step, zero_grad, and an
+    eval()/train() round trip — takes the eager steps exactly, and compiles one graph for all of them.
+    Traced, set_loss and eval() lost their writes to the optimizer (the Polyak step never turned on:
+    0.2 off eager after 4 steps; eval() swapped the parameters but left the mode "train"), and step()'s
+    host bookkeeping recompiled at every step until dynamo's limit (an audit, 2026-11-25)."""
+    from torch._dynamo.utils import counters
+
+    def train_step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.set_loss(loss)
+        opt.step()
+        opt.zero_grad()
+        opt.eval()
+        opt.train()
+        return loss
+
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    (eager, opt_e), (comp, opt_c) = [(m, getattr(no, name)(m.parameters(), lr=1e-2)) for m in (Wide(5), Wide(5))]
+    torch._dynamo.reset()
+    counters.clear()
+    step_c = torch.compile(train_step, backend="eager")
+    for _ in range(4):
+        train_step(eager, opt_e, x)
+        step_c(comp, opt_c, x)
+    for p, q in zip(eager.parameters(), comp.parameters()):
+        assert torch.equal(p, q)
+    assert opt_c.metrics() == opt_e.metrics()
+    assert counters["stats"]["unique_graphs"] == 1
+    step_c_eval = torch.compile(lambda o: o.eval(), backend="eager")
+    step_c_eval(opt_c)
+    with pytest.raises(RuntimeError, match="eval mode"):
+        opt_c.step()  # the mode was recorded: no training step on the averaged x
+
+
+@pytest.mark.parametrize("name", ["AdamW", "FullFusion"])
+def test_load_hooks_see_the_checkpoint_as_given_and_the_optimizer_fully_loaded(name):
+    """A load pre-hook may adapt the checkpoint before anything checks it (torch's docs: remap a checkpoint
+    whose parameters are in another order — here by name), and a post-hook sees the loaded optimizer,
+    counters included. The checks used to run before the pre-hooks (refusing what the hook would fix)
+    and the optimizer-level state was restored after the post-hooks."""
+    def by_name(opt, sd):
+        saved = sd["param_groups"][0]
+        where = dict(zip(saved["param_names"], saved["params"]))
+        names = opt.param_groups[0]["param_names"]
+        state = {j: sd["state"][where[n]] for j, n in enumerate(names) if where[n] in sd["state"]}
+        return {"state": state, "param_groups": [{**saved, "params": list(range(len(names))), "param_names": names}]}
+
+    model = Wide(5)
+    saved_opt = getattr(no, name)(list(model.named_parameters())[::-1], lr=1e-2)  # saved in reverse order
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().mean().backward()
+        with torch.no_grad():
+            model.fc1.weight.grad.view(-1)[:2] = float("nan")
+        saved_opt.step()
+        saved_opt.zero_grad()
+    assert saved_opt.metrics()["resolution/events_total"] == 3
+    opt = getattr(no, name)(model.named_parameters(), lr=1e-2)
+    opt.register_load_state_dict_pre_hook(by_name)
+    seen = {}
+    opt.register_load_state_dict_post_hook(lambda o: seen.update(o.metrics()))
+    opt.load_state_dict(saved_opt.state_dict())
+    assert seen == opt.metrics() == saved_opt.metrics()
+    for p in model.parameters():
+        assert same_tree(opt.state[p], saved_opt.state[p])
+
+
+def test_a_checkpoint_refused_for_name_routing_says_so():
+    """Fusion routes by parameter name (a "head" matrix takes the scalar path): an unnamed checkpoint
+    loaded into a named optimizer is refused, and the error names that cause, not another optimizer."""
+    head = nn.Linear(6, 4)
+    unnamed = no.SFNorMuon(head.parameters(), lr=1e-2)
+    head(torch.randn(3, 6)).square().mean().backward()
+    unnamed.step()
+    named = no.SFNorMuon([("head.weight", head.weight), ("head.bias", head.bias)], lr=1e-2)
+    with pytest.raises(ValueError, match="given parameter names and the other was not"):
+        named.load_state_dict(unnamed.state_dict())
