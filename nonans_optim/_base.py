@@ -465,7 +465,8 @@ class NonansOptimizer(Optimizer):
         ctx["gamma_mult"] = None
 
     def _schedule(self, group: dict[str, Any], ctx: dict[str, Any]) -> tuple[torch.Tensor, float]:
-        """(γ as a 0-d device tensor, schedule-free weight c) for this group and step.
+        """(γ as a 0-d device tensor — fp32, fp64 for a group with fp64 parameters —, schedule-free weight c)
+        for this group and step.
 
         lr_t = lr · min(1, t / warmup_steps) is host arithmetic on the scheduled lr; the Polyak multiplier
         (when active) is a device tensor, so γ never needs a sync. c follows SF-NorMuon: η_t² / Σ η_k²."""
@@ -473,7 +474,10 @@ class NonansOptimizer(Optimizer):
         c = 0.0
         if "sf_weight_sum" in group:
             c, group["sf_weight_sum"] = sf_weight(lr_t, group["sf_weight_sum"])
-        gamma = torch.full((), lr_t, dtype=torch.float32, device=ctx["unit_scale"].device)
+        # fp64 where the group holds fp64 parameters: an fp32 γ put every fp64 step 4e-8 off torch's AdamW
+        # (7.7e-7 after 20 steps) and rounded a decay factor 1 - lr·wd above 1 - 6e-8 to exactly 1
+        wide = any(p.dtype is torch.float64 for p in group["params"])
+        gamma = torch.full((), lr_t, dtype=torch.float64 if wide else torch.float32, device=ctx["unit_scale"].device)
         if ctx["gamma_mult"] is not None:
             gamma = gamma * ctx["gamma_mult"]
         return gamma, c

@@ -374,3 +374,41 @@ def test_a_checkpoint_refused_for_name_routing_says_so():
     named = no.SFNorMuon([("head.weight", head.weight), ("head.bias", head.bias)], lr=1e-2)
     with pytest.raises(ValueError, match="given parameter names and the other was not"):
         named.load_state_dict(unnamed.state_dict())
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "auto"])
+def test_fp64_adamw_is_torchs_adamw(impl):
+    """fp64 parameters get γ, the hyperparameters and the bias corrections in fp64: the steps equal
+    torch.optim.AdamW's (compiled: inductor's own operation order, within 1e-8), and a decay factor
+    1 - lr·wd = 1 - 1e-8 is applied, not rounded to 1 (in fp32 it was: 7.7e-7 off torch after 20 steps)."""
+    p0 = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref, got = nn.Parameter(p0.clone()), nn.Parameter(p0.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=1e-5)
+    got_opt = no.AdamW([got], lr=1e-3, weight_decay=1e-5, impl=impl)
+    for t in range(20):
+        ref.grad = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(t))
+        got.grad = ref.grad.clone()
+        ref_opt.step()
+        got_opt.step()
+    torch.testing.assert_close(got, ref, rtol=1e-8 if impl == "compiled" else 0, atol=0)
+    w = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    w.grad = torch.zeros(3, dtype=torch.float64)
+    no.AdamW([w], lr=1.0, weight_decay=1e-8, impl=impl).step()
+    assert torch.equal(w, torch.full((3,), 1 - 1e-8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "auto"])
+@pytest.mark.parametrize("name", ["FullFusion", "SFNorMuon"])
+def test_fp64_fusion_with_set_loss_steps(name, impl):
+    """The Polyak L1 norm of fp64 gradients is taken in fp64 (a norm may only widen its input: asking
+    for fp32 raised, so every fp64 Fusion step after set_loss() failed — a regression of the fp32-sum fix)."""
+    model = Wide(5).double()
+    opt = getattr(no, name)(model.parameters(), lr=1e-2, impl=impl)
+    for _ in range(2):
+        loss = model(torch.randn(4, 6, dtype=torch.float64)).square().mean()
+        loss.backward()
+        opt.set_loss(loss)
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.metrics()["fusion/gamma_mult"] != 1.0  # the Polyak step ran

@@ -236,12 +236,14 @@ def host_steps(states: list[dict]) -> list[float]:
     return [float(s) for s in steps]
 
 
-def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: torch.device, sf: bool):
+def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: torch.device, sf: bool,
+                  dtype: torch.dtype = torch.float32):
+    """The hyperparameters and bias corrections as tensors in γ's dtype (fp64 for an fp64 group: in fp32
+    the compiled fp64 step was 2e-7 off torch's AdamW after 20 steps and lost a decay lr·wd = 1e-8)."""
     beta1, beta2 = group["betas"]
     coef = beta1 * (1 - c) - 1 if sf else 0.0
-    hp = torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef],
-                      dtype=torch.float32)
-    bcs = torch.tensor([[1 - beta1 ** s, 1 - beta2 ** s] for s in steps], dtype=torch.float32)
+    hp = torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef], dtype=dtype)
+    bcs = torch.tensor([[1 - beta1 ** s, 1 - beta2 ** s] for s in steps], dtype=dtype)
     if device.type != "cpu":
         hp, bcs = hp.to(device, non_blocking=True), bcs.to(device, non_blocking=True)
     return hp, bcs
@@ -267,7 +269,7 @@ def group_kernel_args(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     ``state['step']`` (the bias corrections need the new count); a caller whose kernel then fails puts
     them back."""
     device = params[0].device
-    hp, bcs = _host_scalars(group, host_steps(states), c, device, sf)
+    hp, bcs = _host_scalars(group, host_steps(states), c, device, sf, gamma.dtype)
     ms = [None if sf else st["exp_avg"] for st in states]
     zs = [st["z"] if sf else None for st in states]
     vs = [st["exp_avg_sq"] for st in states]

@@ -157,7 +157,9 @@ class Fusion(NonansOptimizer):
             return
         # summed in fp32 whatever the gradients' dtype: an fp16 L1 norm overflows once Σ|g| > 65504, and a
         # finite gradient would be dropped from Ḡ as if it were non-finite
-        l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32))
+        # (fp64 when a gradient is fp64: a norm may only widen its input)
+        wide = torch.float64 if any(g.dtype is torch.float64 for g in grads) else torch.float32
+        l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=wide)).float()
         ok = torch.isfinite(l1)
         sizes = tuple(g.numel() for g in grads)
         numels = self._index_cache.get(("numels", sizes, str(l1.device)))
