@@ -14,14 +14,21 @@ torch's own ``__setstate__`` fills keys added in later versions — a checkpoint
 lacks ``warmup_steps``, a checkpoint loaded a second time has gained torch's ``differentiable``; neither
 says anything about the state. A torch feature this library does not implement (``amsgrad``,
 ``maximize``) is refused rather than silently dropped.
+
+:class:`Checkpointed` is the shell's mixin for all of this: where the optimizer-level state lives (inside
+one parameter's state, so that ``torch.distributed.checkpoint`` carries it), ``load_state_dict`` with its
+checks and torch's load hooks, and the copy protocol.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
-__all__ = ["check_loadable", "with_group_defaults", "step_from_params", "CARRIED", "GLOBAL_KEY", "needs_init",
+from .functional.polyak import init_polyak
+
+__all__ = ["Checkpointed", "check_loadable", "with_group_defaults", "step_from_params", "CARRIED", "GLOBAL_KEY", "needs_init",
            "global_entry", "legacy_global", "move_global_to_carrier", "copy_to"]
 
 # The key, in one parameter's state (the "carrier": the first trainable parameter), of the optimizer-level
@@ -178,3 +185,124 @@ def step_from_params(state_dict: dict[str, Any]) -> int | None:
     steps = [float(st["step"]) for pid, st in state_dict.get("state", {}).items()
              if pid != GLOBAL_KEY and isinstance(st, dict) and "step" in st]
     return int(max(steps)) if steps else None
+
+
+class Checkpointed:
+    """The checkpoint side of the optimizer shell (mixed into :class:`nonans_optim._base.NonansOptimizer`,
+    before ``torch.optim.Optimizer``): where the optimizer-level state lives (:data:`GLOBAL_KEY` in the
+    carrier's state), ``load_state_dict`` with its checks and hooks, and what a copy carries."""
+
+    def _carrier(self) -> torch.Tensor:
+        """The parameter whose state holds the optimizer-level dict: the one that holds it already (a
+        loaded checkpoint decides), else the first that requires grad — torch.distributed.checkpoint
+        drops the state of frozen parameters — else the first. Only called when there are parameters."""
+        c = self._carrier_cache
+        if c is None:
+            params = self._all_params()
+            c = next((p for p in params if GLOBAL_KEY in self.state.get(p, ())), None)
+            if c is None:
+                c = next((p for p in params if p.requires_grad), params[0])
+            self._carrier_cache = c
+        return c
+
+    def _global_state(self) -> dict[str, Any] | None:
+        """The optimizer-level state, or None before anything made it (never creates it)."""
+        if not self._num_params():
+            return None
+        return self.state.get(self._carrier(), {}).get(GLOBAL_KEY)
+
+    def _global(self) -> dict[str, Any]:
+        """Optimizer-level state, created lazily on the parameters' device, with every key from the start:
+        ``dcp.load`` fills only the entries the loading optimizer already has (a key added later, such as
+        the mode on the first eval(), would be dropped from a checkpoint)."""
+        st = self._global_state()
+        if st is None:
+            device = self._first_param().device
+            # logged_policy: the code of the policy in the last row of the counters' policy_log (-1: none),
+            # a host int beside the log so that deciding whether to log a change never reads the device
+            st = {"step": 0, "polyak": init_polyak(device), "train_mode": self._training, "loss_given": False,
+                  "logged_policy": -1}
+            self.state[self._carrier()][GLOBAL_KEY] = st
+        return st
+
+    @torch.compiler.disable  # (as torch's own load_state_dict)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, after checking that the checkpoint fits this optimizer (:mod:`._checkpoint`: keys,
+        and the shape of every state tensor), with group keys it lacks taken from the current groups. A
+        checkpoint without the optimizer-level state (``torch.optim.AdamW``'s) resumes the global step
+        from its parameters' ``step``.
+
+        Load hooks keep torch's contract: pre-hooks see the checkpoint as given and may adapt it (torch's
+        docs suggest one to remap parameters) before anything here checks it; post-hooks run once the load
+        is complete, the optimizer-level state included. torch's load would run them around its own part
+        only — the checks refused what a pre-hook was about to fix, and post-hooks saw the previous run's
+        counters (an audit, 2026-11-25)."""
+        state_dict = state_dict.copy()  # (shallow, as torch's)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        named = [isinstance(g, dict) and "param_names" in g for g in state_dict.get("param_groups", ())]
+        state_dict = with_group_defaults(self, state_dict)  # new dicts: the caller's is not modified
+        if self._num_params():  # an old checkpoint kept the optimizer-level state at the top of "state"
+            carrier = self._carrier()
+            self._carrier_cache = None  # (the loaded state decides it from now on)
+            state_dict = move_global_to_carrier(state_dict, [id(p) for p in self._all_params()].index(id(carrier)))
+        check_loadable(self, state_dict, named)
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:  # torch's part, with the hooks run here instead
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
+        self._finish_load(state_dict)
+        for hook in post.values():
+            hook(self)
+
+    def _finish_load(self, state_dict: dict[str, Any]) -> None:
+        """After torch's part of a load: buffer dtypes, and the optimizer-level state as saved."""
+        self._restore_buffer_dtypes(state_dict)
+        self._resolution, self._carrier_cache = None, None
+        saved = global_entry(state_dict)
+        if saved is None and self._num_params():
+            step = step_from_params(state_dict)
+            if step is not None:
+                self._global()["step"] = step
+        elif saved is not None:  # torch cast it to its carrier's dtype: take it as saved, on the params' device
+            carrier = self._all_params()[saved[0]]
+            self._carrier_cache = carrier
+            st = self.state[carrier][GLOBAL_KEY] = copy_to(saved[1], self._first_param().device)
+            self._training = bool(st.get("train_mode", True))
+            # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
+            # before the flag was stored tell it by a finite loss having been seen
+            st.setdefault("loss_given", bool(st["polyak"]["loss_seen"]))
+
+    def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
+        """The state a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor: then so are
+        the tensors), which a checkpoint's state must match in keys and shapes."""
+        raise NotImplementedError
+
+    # copy.deepcopy and pickle: torch's __getstate__ keeps defaults, state and param_groups only
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in CARRIED if k in self.__dict__})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # also called by torch's load_state_dict, with state and groups only
+        self.__dict__.setdefault("_resolution", None)
+        self.__dict__.setdefault("_index_cache", {})
+        self.__dict__.setdefault("_carrier_cache", None)
+        legacy = self.state.pop(GLOBAL_KEY, None)  # an optimizer pickled with the old layout
+        if legacy is not None and self._num_params():
+            self.state[self._carrier()][GLOBAL_KEY] = legacy_global(legacy)
+
+    def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
+        """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept
+        narrower on purpose (Fusion's ``momentum_dtype``) goes back to its saved dtype — an exact round
+        trip (bf16 → fp32 → bf16), so a resumed run stays bit-identical."""
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for pid, p in zip(ids, self._all_params()):
+            saved = state_dict["state"].get(pid, {}).get("momentum_buffer")
+            st = self.state.get(p)
+            if saved is not None and st is not None and st["momentum_buffer"].dtype != saved.dtype:
+                st["momentum_buffer"] = st["momentum_buffer"].to(saved.dtype)
