@@ -239,3 +239,21 @@ def test_zero_redundancy_optimizer_resumes_with_the_counters(process_group, name
     opt_b.load_state_dict(saved)
     assert opt_b.optim.metrics()["resolution/events_total"] == opt_a.optim.metrics()["resolution/events_total"] > 0
     _assert_same_run(model_a, opt_a.optim, model_b, opt_b.optim)
+
+
+@pytest.mark.parametrize("name", list(legacy.CASES))
+def test_an_optimizer_pickled_with_the_old_layout_unpickles_into_the_new(name):
+    """pickle of a whole optimizer written by the old code (tests/data/legacy_checkpoint.pt): unpickled, its
+    optimizer-level state sits in a parameter's state, it reports the counters and events it had, and it
+    steps on."""
+    import pickle
+    case = torch.load(Path(__file__).parent / "data" / "legacy_checkpoint.pt", weights_only=False)[name]
+    opt = pickle.loads(case["pickled"])
+    assert GLOBAL_KEY not in opt.state and GLOBAL_KEY in opt.state_dict()["state"][0]
+    params = opt.param_groups[0]["params"]
+    assert legacy.summary(torch.nn.ParameterList(params), opt)["events"] == case["at_save"]["events"]
+    assert opt.metrics() == case["at_save"]["metrics"]
+    if legacy.CASES[name].get("eval_at_save"):
+        opt.train()
+    legacy.run(torch.nn.ParameterList(params), opt, range(4, 7))
+    assert all(torch.isfinite(p).all() for p in params) and opt.metrics()["optim/step"] == 6

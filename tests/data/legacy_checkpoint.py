@@ -12,6 +12,7 @@ Both sides run :func:`run` below, so a difference is the checkpoint's, not the d
 """
 from __future__ import annotations
 
+import pickle
 import sys
 
 import torch
@@ -66,7 +67,8 @@ def main(path: str) -> None:
         if case.get("eval_at_save"):
             opt.eval()
         saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                 "optim": torch.load(_bytes(opt.state_dict()), weights_only=False)}
+                 "optim": torch.load(_bytes(opt.state_dict()), weights_only=False),
+                 "pickled": pickle.dumps(opt), "at_save": summary(model, opt)}
         if case.get("eval_at_save"):
             opt.train()
         run(model, opt, range(4, 7))
