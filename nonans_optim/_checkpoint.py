@@ -28,12 +28,12 @@ import torch
 
 from .functional.polyak import init_polyak
 
-__all__ = ["Checkpointed", "check_loadable", "with_group_defaults", "step_from_params", "CARRIED", "GLOBAL_KEY", "needs_init",
-           "global_entry", "legacy_global", "move_global_to_carrier", "copy_to"]
+__all__ = ["Checkpointed", "check_loadable", "with_group_defaults", "step_from_params", "CARRIED", "GLOBAL_KEY",
+           "needs_init", "global_entry", "legacy_global", "move_global_to_carrier", "copy_to"]
 
 # The key, in one parameter's state (the "carrier": the first trainable parameter), of the optimizer-level
-# state — global step, Polyak EMAs, resolution counters, train/eval mode. Up to v0.x it sat at the top of
-# ``state`` as a non-parameter key; torch's own state_dict() passes that through, but
+# state — global step, Polyak EMAs, resolution counters, train/eval mode. Until commit fa21cf5 it sat at the top
+# of ``state`` as a non-parameter key; torch's own state_dict() passes that through, but
 # ``torch.distributed.checkpoint`` (get_optimizer_state_dict: FSDP2, torchtitan, Lightning's and
 # accelerate's distributed checkpoints) maps every state key to a parameter name and raised KeyError on
 # it. Inside a parameter's state it travels like any nested optimizer state (Shampoo's, say); such
@@ -159,7 +159,7 @@ def check_loadable(opt, state_dict: dict[str, Any], named: list[bool] | None = N
         merged = {**saved, "params": group["params"]}
         for j, (pid, p) in enumerate(zip(saved["params"], group["params"])):
             st = state.get(pid)
-            if not st or needs_init(st):
+            if needs_init(st or {}):
                 continue
             where = f"the state of parameter {j} of group {i} (shape {tuple(p.shape)})"
             expected = opt._expected_state(merged, j, torch.empty_like(p, device="meta"))
