@@ -118,7 +118,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
         # (the counters in the state are not this object's when something else replaced the state: a
         # ZeroRedundancyOptimizer or DCP load writes it without going through load_state_dict)
         if res is None or res.num_params != P or st.get("resolution") is not res.tensors:
-            res = Resolution(self._policy, P, self._first_param().device)
+            res = Resolution(self._policy, P, self._first_param().device,
+                             numels=[p.numel() for p in self._all_params()])
             saved = st.get("resolution")
             if saved is not None and saved["scale"].shape[0] <= P:  # fewer: parameters added since
                 res.load_state_dict(saved, grow=True)

@@ -45,6 +45,13 @@ PARAM_STAGES = tuple(s != "loss" for s in STAGES)
 
 # What was done about it, by policy. Escalation is reported separately (it rides on either action).
 ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
+# ...except where "repair" held the parameter instead (no finite gradient entry twice within the repeat
+# window: it kept its value and state, as "skip" would; ALGORITHMS.md's continuation step is for once)
+HELD = "held"
+
+
+def _action(policy: str, held: bool) -> str:
+    return HELD if held and policy == "repair" else ACTIONS[policy]
 
 
 def check_policy(resolution: str) -> str:
@@ -106,7 +113,10 @@ class SingularityEvent:
     ``inf_count`` is 1 for a gradient the spike guard capped (finite, counted in that column so the two
     still add up to the stage's count; repeated spikes escalate like any event). A "loss" event (a
     non-finite ``set_loss()`` value) belongs to no parameter: ``param`` is None and ``numel`` 1, and it
-    backs off no parameter's step size. ``escalated``: this event backed the parameter's step size off
+    backs off no parameter's step size. ``action``: "repaired", "skipped" or "none" by the policy in force
+    then, and "held" where "repair" held the parameter — no finite gradient entry again within the repeat
+    window, so it kept its value and state rather than continue from momentum once more.
+    ``escalated``: this event backed the parameter's step size off
     (a repeat within the window). ``events`` keeps the last 63 steps that had any (a ring of 64 slots, one
     of them the free slot a clean step writes: 64 only until the first clean step after it filled)."""
 
@@ -162,7 +172,7 @@ class Resolution:
 
     def __init__(self, policy: str, num_params: int, device: torch.device, *, ring_size: int = 64,
                  backoff: float = 0.5, growth_interval: int = 100, repeat_window: int = 10,
-                 min_scale: float = 2.0 ** -10):
+                 min_scale: float = 2.0 ** -10, numels: list[int] | None = None):
         self.policy = check_policy(policy)
         self.backoff, self.growth_interval, self.min_scale = backoff, growth_interval, min_scale
         self.repeat_window = repeat_window
@@ -174,12 +184,16 @@ class Resolution:
         self.generation = 0
         self._param_mask = torch.tensor(PARAM_STAGES, device=device)
         P, S, K = num_params, len(STAGES), ring_size
+        # the parameters' sizes (not state: they are the model's), to tell a held step (no finite gradient
+        # entry on a parameter with a recent event) in the ring
+        self.numel = torch.tensor(numels if numels is not None else [0] * P, dtype=torch.int64).to(device)
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
             "events": torch.zeros(P, S, dtype=torch.int64, device=device),
             "ring_counts": torch.zeros(K, P, S, 2, dtype=torch.int64, device=device),
             "ring_step": torch.zeros(K, dtype=torch.int64, device=device),
             "ring_escalated": torch.zeros(K, P, dtype=torch.bool, device=device),
+            "ring_held": torch.zeros(K, P, dtype=torch.bool, device=device),
             "ring_ptr": torch.zeros((), dtype=torch.int64, device=device),
             "scale": torch.ones(P, dtype=torch.float32, device=device),
             "clean_streak": torch.zeros(P, dtype=torch.int64, device=device),
@@ -238,6 +252,9 @@ class Resolution:
             repeated, torch.clamp(scale * self.backoff, min=self.min_scale),
             torch.where(grown & ~param_event, torch.clamp(scale * 2.0, max=1.0), scale))
         escalated = repeated & (new_scale < scale)
+        # held: the update kernels' hold rule (Resolution.recent at the step's start, and no finite entry)
+        whole = (step_counts[:, STAGE_INDEX["grad"]].sum(-1) == self.numel) & (self.numel > 0)
+        held = repeated & whole
         t["escalations"] += escalated.to(torch.int64)
         t["clean_streak"] = torch.where(param_event, torch.zeros_like(streak), streak + 1)
         t["scale"] = new_scale
@@ -247,6 +264,7 @@ class Resolution:
         slot = torch.remainder(t["ring_ptr"], K).reshape(1)
         t["ring_counts"].index_copy_(0, slot, step_counts.unsqueeze(0))
         t["ring_escalated"].index_copy_(0, slot, escalated.unsqueeze(0))
+        t["ring_held"].index_copy_(0, slot, held.unsqueeze(0))
         t["ring_step"].index_copy_(0, slot, torch.full((1,), step, dtype=torch.int64, device=slot.device))
         t["ring_ptr"] += stage_event.any().to(torch.int64)
 
@@ -256,7 +274,7 @@ class Resolution:
         where the native record does not cover these counters (CUDA, another dtype, no library)."""
         if not self.tensors["scale"].is_cpu:
             return None
-        return native.record_pack(self.tensors, growth_interval=self.growth_interval,
+        return native.record_pack(self.tensors, numel=self.numel, growth_interval=self.growth_interval,
                                   repeat_window=self.repeat_window, cache=self._native_cache)
 
     def native_args(self, indices: list[int],
@@ -277,7 +295,7 @@ class Resolution:
 
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
     def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
-        return native.record_step(self.tensors, step_counts, step, backoff=self.backoff,
+        return native.record_step(self.tensors, step_counts, step, numel=self.numel, backoff=self.backoff,
                                    min_scale=self.min_scale, growth_interval=self.growth_interval,
                                    repeat_window=self.repeat_window, cache=self._native_cache)
 
@@ -317,7 +335,8 @@ class Resolution:
                 out.append(SingularityEvent(
                     step=int(t["ring_step"][slot]), param=names[p_idx] if own else None, stage=STAGES[s_idx],
                     nan_count=nan, inf_count=inf, numel=numels[p_idx] if own else 1,
-                    action=ACTIONS[self.policy_at(int(t["ring_step"][slot]), log)],
+                    action=_action(self.policy_at(int(t["ring_step"][slot]), log),
+                                   own and bool(t["ring_held"][slot, p_idx])),
                     escalated=own and bool(t["ring_escalated"][slot, p_idx])))
         return out
 
@@ -339,7 +358,7 @@ class Resolution:
         """Take saved counters. ``grow``: they may be of fewer parameters than this Resolution's — those
         of an optimizer that has since had parameters appended (``add_param_group``): the saved ones keep
         their counts, events and escalation, the new ones start fresh."""
-        missing = set(self.tensors) - set(state)
+        missing = set(self.tensors) - set(state) - {"ring_held"}  # (checkpoints before it: no held steps)
         if missing:
             raise ValueError(f"resolution state is missing {sorted(missing)}")
         P, P0 = self.num_params, state["scale"].shape[0]
@@ -349,7 +368,7 @@ class Resolution:
                                  f"{tuple(self.tensors[k].shape)} (different number of parameters?)")
         new = {}
         for k, fresh in self.tensors.items():  # in its own dtype: a load that bypassed the optimizer's own
-            v = state[k].to(fresh.device, fresh.dtype)  # (ZeroRedundancyOptimizer's) cast fp32 ones to bf16
+            v = state.get(k, fresh).to(fresh.device, fresh.dtype)  # (ZeRO's) cast fp32 ones to bf16
             if v.shape == fresh.shape:
                 new[k] = v.clone()
             else:  # the parameter axis is the one that differs; saved rows first, fresh ones after

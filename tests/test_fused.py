@@ -166,8 +166,8 @@ def test_native_record_step_matches_torch(seq):
     """Event ring, escalation (backoff, floor, growth) and counters: the C loop equals the torch ops. Every
     third step of ``got`` takes the torch path, which replaces some counter tensors: the C loop's cached
     pointers must follow (a stale pointer would write into a tensor the optimizer no longer holds)."""
-    P = 4
-    kw = dict(ring_size=5, growth_interval=3, repeat_window=4, min_scale=2.0 ** -3)
+    P = 4  # sizes that n + n // 2 gradient counts reach: whole-tensor events, so held steps, occur
+    kw = dict(ring_size=5, growth_interval=3, repeat_window=4, min_scale=2.0 ** -3, numels=[3, 4, 6, 1])
     ref, got = Resolution("repair", P, torch.device("cpu"), **kw), Resolution("repair", P, torch.device("cpu"), **kw)
     for step, events in enumerate(seq, 1):
         c = torch.zeros(P, len(STAGES), 2, dtype=torch.int64)

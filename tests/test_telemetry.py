@@ -163,3 +163,25 @@ def test_metrics_keep_one_key_set_and_off_still_reports_the_past():
     assert opt.metrics()["resolution/events_total"] == 1.0 and len(opt.events) == 1
     train_steps(model, opt, 1, inject=_nan_at(0))  # not recorded under "off"
     assert opt.metrics()["resolution/events_total"] == 1.0
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "fused"])
+@pytest.mark.parametrize("name", ["AdamW", "SFNorMuon"])
+def test_a_held_parameter_is_labelled_held(name, impl):
+    """A second gradient without a finite entry within the repeat window holds the parameter (it keeps its
+    value and state): its event says "held", not "repaired" (both audits of 2026-11-25 found the label
+    wrong); the first such gradient took its continuation step and is "repaired". Every implementation
+    (torch and C records) labels alike; under "skip" both are "skipped"."""
+    for policy, want in (("repair", ["repaired", "held"]), ("skip", ["skipped", "skipped"])):
+        p = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+        opt = getattr(no, name)([{"params": [p], **({"path": "spectral"} if name == "SFNorMuon" else {})}],
+                                lr=1e-2, impl=impl, resolution=policy)
+        p.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        for _ in range(2):
+            before = p.detach().clone()
+            p.grad = torch.full((6, 4), float("nan"))
+            opt.step()
+        assert torch.equal(p, before)  # held (or skipped): the second one did not move it
+        assert [(e.step, e.stage, e.action) for e in opt.events if e.stage == "grad"] == \
+            [(2, "grad", want[0]), (3, "grad", want[1])]

@@ -133,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     pre.restype = post.restype = ctypes.c_int
     lib.nonans_simd_width.argtypes, lib.nonans_simd_width.restype = [], ctypes.c_int
     r = lib.nonans_record_step
-    r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 9
+    r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 11
     r.restype = None
     rp = lib.nonans_record_step_packed
     rp.argtypes, rp.restype = [ptr, f32, f32, ptr, i64], None
@@ -154,13 +154,15 @@ class Int64Array:
 
 _RECORD_KEYS = ("counts", "events", "ring_counts", "ring_step", "ring_escalated", "ring_ptr", "scale",
                 "clean_streak", "escalations")
+_PACK_NAMES = (*_RECORD_KEYS, "numel", "ring_held")
 
 
-def record_pack(tensors: dict, *, growth_interval: int, repeat_window: int,
+def record_pack(tensors: dict, *, numel, growth_interval: int, repeat_window: int,
                 cache: dict | None = None) -> tuple[Int64Array, tuple] | None:
     """The counters' packed arguments of ``nonans_record_step_packed`` (P, K, growth_interval,
-    repeat_window, then the nine counter pointers) and the counter tensors they point into; None unless
-    the library is available and every counter is a contiguous CPU tensor of the expected dtype.
+    repeat_window, then the nine counter pointers, the parameters' sizes ``numel`` and ``ring_held``) and
+    the tensors they point into; None unless the library is available and every one is a contiguous CPU
+    tensor of the expected dtype.
 
     ``cache`` (a dict the caller owns, one per Resolution): the result, reused while ``tensors`` still holds
     the very same tensor objects (the cache keeps them alive, so equal ids are the same objects). The checks
@@ -169,13 +171,13 @@ def record_pack(tensors: dict, *, growth_interval: int, repeat_window: int,
     identity test sees."""
     if library() is None:
         return None
-    args = tuple(map(tensors.__getitem__, _RECORD_KEYS))
+    args = (*map(tensors.__getitem__, _RECORD_KEYS), numel, tensors["ring_held"])
     key = (*map(id, args), growth_interval, repeat_window)
     if cache is not None and cache.get("key") == key:
         return cache["pack"], args
-    expected = {"scale": torch.float32, "ring_escalated": torch.bool}
+    expected = {"scale": torch.float32, "ring_escalated": torch.bool, "ring_held": torch.bool}
     if not all(t.is_cpu and t.is_contiguous() and t.dtype == expected.get(k, torch.int64)
-               for k, t in zip(_RECORD_KEYS, args)):
+               for k, t in zip(_PACK_NAMES, args)):
         return None  # e.g. counters loaded from a checkpoint in another dtype: the torch path handles them
     P, K = tensors["scale"].shape[0], tensors["ring_step"].shape[0]
     pack = Int64Array([P, K, growth_interval, repeat_window, *(t.data_ptr() for t in args)])
@@ -185,11 +187,12 @@ def record_pack(tensors: dict, *, growth_interval: int, repeat_window: int,
     return pack, args
 
 
-def record_step(tensors: dict, step_counts, step: int, *, backoff: float, min_scale: float,
+def record_step(tensors: dict, step_counts, step: int, *, numel, backoff: float, min_scale: float,
                 growth_interval: int, repeat_window: int, cache: dict | None = None) -> bool:
     """``Resolution.record_step`` in one C loop, in place; False (nothing done) unless :func:`record_pack`
     covers the counters and ``step_counts`` is a contiguous int64 CPU tensor."""
-    packed = record_pack(tensors, growth_interval=growth_interval, repeat_window=repeat_window, cache=cache)
+    packed = record_pack(tensors, numel=numel, growth_interval=growth_interval, repeat_window=repeat_window,
+                         cache=cache)
     if packed is None or not (step_counts.is_cpu and step_counts.is_contiguous()
                               and step_counts.dtype == torch.int64):
         return False

@@ -373,7 +373,8 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
 void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_t step, float backoff,
                         float min_scale, int64_t growth_interval, int64_t repeat_window, int64_t *counts,
                         int64_t *events, int64_t *ring_counts, int64_t *ring_step, uint8_t *ring_escalated,
-                        int64_t *ring_ptr, float *scale, int64_t *clean_streak, int64_t *escalations) {
+                        int64_t *ring_ptr, float *scale, int64_t *clean_streak, int64_t *escalations,
+                        const int64_t *numel, uint8_t *ring_held) {
     const int64_t slot = ((*ring_ptr % K) + K) % K; /* torch.remainder: non-negative for K > 0 */
     int any = 0;
     for (int64_t i = 0; i < P; i++) {
@@ -401,6 +402,9 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
             ns = ns > 1.0f ? 1.0f : ns;
         }
         const int escalated = repeated && ns < old;
+        /* held (the hold rule of the update kernels): a gradient with no finite entry on a parameter that
+         * had an event within the window — exactly "repeated" with the whole tensor missing */
+        const int held = repeated && numel[i] > 0 && c[ST_GRAD * 2] + c[ST_GRAD * 2 + 1] == numel[i];
         if (escalated) escalations[i] += 1;
         clean_streak[i] = param_event ? 0 : streak + 1;
         if (ns != old) scale[i] = ns;
@@ -419,6 +423,7 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
             if (ring[2 * s + 1] != c[2 * s + 1]) ring[2 * s + 1] = c[2 * s + 1];
         }
         if (ring_escalated[slot * P + i] != (uint8_t)escalated) ring_escalated[slot * P + i] = (uint8_t)escalated;
+        if (ring_held[slot * P + i] != (uint8_t)held) ring_held[slot * P + i] = (uint8_t)held;
         any |= param_event | loss_event; /* the ring keeps every step that had an event */
     }
     ring_step[slot] = step;
@@ -426,12 +431,12 @@ void nonans_record_step(int64_t P, int64_t K, const int64_t *step_counts, int64_
 }
 
 /* nonans_record_step with its per-optimizer constants packed once into one int64 array — P, K,
- * growth_interval, repeat_window, then the nine counter pointers in nonans_record_step's order — so that a
+ * growth_interval, repeat_window, then the eleven counter pointers in nonans_record_step's order — so that a
  * step's call converts five arguments instead of seventeen (ctypes spends about as long converting them as
  * the loop above takes on a 52-parameter model; nonans_optim/native/__init__.py::record_step). */
 void nonans_record_step_packed(const int64_t *pack, float backoff, float min_scale, const int64_t *step_counts,
                                int64_t step) {
     int64_t *const *q = (int64_t *const *)(pack + 4);
     nonans_record_step(pack[0], pack[1], step_counts, step, backoff, min_scale, pack[2], pack[3], q[0], q[1], q[2],
-                       q[3], (uint8_t *)q[4], q[5], (float *)q[6], q[7], q[8]);
+                       q[3], (uint8_t *)q[4], q[5], (float *)q[6], q[7], q[8], q[9], (uint8_t *)q[10]);
 }
