@@ -186,7 +186,8 @@ class Resolution:
         P, S, K = num_params, len(STAGES), ring_size
         # the parameters' sizes (not state: they are the model's), to tell a held step (no finite gradient
         # entry on a parameter with a recent event) in the ring
-        self.numel = torch.tensor(numels if numels is not None else [0] * P, dtype=torch.int64).to(device)
+        self.numel = torch.tensor(numels if numels is not None else [0] * P, dtype=torch.int64).to(
+            device, non_blocking=True)  # (made inside a step: no host sync, as _base._device_indices)
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
             "events": torch.zeros(P, S, dtype=torch.int64, device=device),
@@ -301,7 +302,7 @@ class Resolution:
 
     def set_policy(self, policy: str, step: int) -> None:
         """The policy from ``step`` on: appended to ``policy_log`` on the device (the optimizer calls it when
-        its policy changed, and when it rebuilds the counters: a repeated row is harmless)."""
+        the policy differs from the last one logged)."""
         self.policy = check_policy(policy)
         log = self.tensors["policy_log"]
         row = torch.full((1, 2), int(step), dtype=torch.int64, device=log.device)
