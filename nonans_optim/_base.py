@@ -392,7 +392,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         return res.materialise(self._param_names(), [p.numel() for p in self._all_params()])
 
     def metrics(self) -> dict[str, float]:
-        """Scalars for logging (the only method that synchronises with the device)."""
+        """Scalars for logging (this synchronises with the device, as reading ``events`` does; step() never does)."""
         st = self._global_state()
         out: dict[str, float] = {"optim/step": float(st["step"] if st else 0)}
         if self._uses_polyak:
