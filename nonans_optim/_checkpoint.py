@@ -300,8 +300,7 @@ class Checkpointed:
         """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept
         narrower on purpose (Fusion's ``momentum_dtype``) goes back to its saved dtype — an exact round
         trip (bf16 → fp32 → bf16), so a resumed run stays bit-identical."""
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for pid, p in zip(ids, self._all_params()):
+        for pid, p in zip(_ids(state_dict), self._all_params()):
             saved = state_dict["state"].get(pid, {}).get("momentum_buffer")
             st = self.state.get(p)
             if saved is not None and st is not None and st["momentum_buffer"].dtype != saved.dtype:
