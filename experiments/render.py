@@ -44,6 +44,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "simd-avx512": ("simd_avx512.json", "experiments.simd:render"),
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
+    "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),
 }
 

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._checkpoint import Checkpointed
+from ._transfer import to_device
 from ._validation import _check_float, _check_int, check_betas
 from .functional.schedule_free import sf_weight
 from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
@@ -337,7 +338,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         key = (tuple(idx), str(device))
         sel = self._index_cache.get(key)
         if sel is None:
-            sel = torch.tensor(idx, dtype=torch.int64).to(device, non_blocking=True)
+            sel = to_device(torch.tensor(idx, dtype=torch.int64), device)
             self._index_cache[key] = sel
         return sel
 

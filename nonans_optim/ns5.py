@@ -22,8 +22,8 @@ chain, which is how the optimizers call it (one NS5 per shape bucket, not per pa
 
 Backends: ``"torch"`` (this file, the reference and the test oracle of every kernel), ``"triton"``
 (``nonans_optim.kernels``, CUDA only), ``"auto"`` (Triton on CUDA for matrices whose short side is at least
-``NONANS_NS5_TRITON_MIN_DIM`` — the crossover measured by ``python -m experiments kernels`` — torch
-otherwise, and torch everywhere until that crossover is set). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
+:data:`TRITON_MIN_DIM` — the crossover measured by ``python -m experiments kernels`` on an H100; set
+``NONANS_NS5_TRITON_MIN_DIM`` to your GPU's — and torch otherwise). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
 
 Methods: ``"standard"`` (the iteration above), ``"gram"`` (``nonans_optim.ns5_gram``: the same polynomial
 iterated on the s×s Gram matrix, with a restart every two steps; fewer FLOPs for wide matrices), ``"auto"``
@@ -44,7 +44,8 @@ from einops import rearrange
 from nonans_optim._workspace import Workspace
 from nonans_optim.ns5_gram import iterate_gram
 
-__all__ = ["ns5", "hot_dtype", "normalise", "iterate", "iterate_reference", "KELLER_COEFFICIENTS", "GRAM_MIN_ASPECT"]
+__all__ = ["ns5", "hot_dtype", "normalise", "iterate", "iterate_reference", "KELLER_COEFFICIENTS", "GRAM_MIN_ASPECT",
+           "TRITON_MIN_DIM"]
 
 KELLER_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
@@ -65,6 +66,14 @@ _FP16_SAFE_SCALE = 8.0
 # 1.02-1.09, square: 1.17-1.23. FLOPs predict the crossover at 1.5 (ns5_gram.gram_flops); 3 is the
 # smallest measured ratio at which Gram won on every shape, batch 1 and 4.
 GRAM_MIN_ASPECT = 3.0
+
+# backend="auto" takes the Triton kernels on CUDA for matrices whose short side is at least this. Measured by
+# `python -m experiments kernels` on an H100 (results/kernels.json, 2026-11-25; 5 bf16 iterations, medians of
+# triton.testing.do_bench): Triton beat eager torch on every single matrix from a short side of 4096 on
+# (4096², 8192², 4096×11008) and lost on every smaller one (256² to 2048², where each of its 15 launches costs
+# the host ~80 us, cProfile: triton's autotuner and JIT dispatch) and on every batched stack measured (short
+# sides 512 to 2048). NONANS_NS5_TRITON_MIN_DIM overrides it (another GPU has another crossover).
+TRITON_MIN_DIM = 4096
 _METHODS = ("auto", "standard", "gram")
 
 
@@ -165,12 +174,13 @@ def _resolve_backend(backend: str, device: torch.device, shape: tuple[int, ...])
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"NONANS_NS5_BACKEND must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
-        # Triton only where it has been measured to win: the crossover comes from
-        # `python -m experiments kernels` on the user's GPU (NONANS_NS5_TRITON_MIN_DIM). Until a GPU run
-        # has set it, "auto" stays on the torch path — no unmeasured kernel is the default.
-        min_dim = os.environ.get("NONANS_NS5_TRITON_MIN_DIM")
-        if device.type == "cuda" and min_dim is not None and _triton_ns5() is not None:
-            return "triton" if min(shape) >= int(min_dim) else "torch"
+        # Triton only where it has been measured to win (TRITON_MIN_DIM, or the user's own measurement)
+        raw = os.environ.get("NONANS_NS5_TRITON_MIN_DIM", str(TRITON_MIN_DIM))
+        if not raw.strip().isdigit():
+            raise ValueError(f"NONANS_NS5_TRITON_MIN_DIM must be a non-negative integer, got {raw!r}")
+        min_dim = int(raw)
+        if device.type == "cuda" and min(shape) >= min_dim and _triton_ns5() is not None:
+            return "triton"
         return "torch"
     if backend == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         raise ValueError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 for the interpreter)")

@@ -20,11 +20,13 @@ the device-side bookkeeping object an optimizer owns. No function here calls ``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable
 
 import torch
 
-from . import native
+from . import kernels, native
+from ._transfer import to_device
 
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "finite_mask", "storable_mask",
            "inspect", "tensor_counts", "check_policy"]
@@ -48,6 +50,23 @@ ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
 # ...except where "repair" held the parameter instead (no finite gradient entry twice within the repeat
 # window: it kept its value and state, as "skip" would; ALGORITHMS.md's continuation step is for once)
 HELD = "held"
+
+
+_TRITON_RECORD_FAILED: list[str] = []  # the first failure of the Triton record in this process, if any
+
+
+def _record_on_triton(device: torch.device) -> bool:
+    """Whether a step's record runs the Triton kernel: CUDA counters (or CPU ones under the interpreter with
+    ``NONANS_FUSED_BACKEND=triton``, how CI tests it), triton importable, and no failure so far."""
+    from .optimizers._fused_triton import backend
+
+    if _TRITON_RECORD_FAILED or backend(device) != "triton" or not kernels.available():
+        return False  # (backend first: on a CPU by default, triton is never imported)
+    if device.type == "cuda":
+        return True
+    from .kernels._runtime import interpreting
+
+    return device.type == "cpu" and interpreting()
 
 
 def _action(policy: str, held: bool) -> str:
@@ -182,12 +201,12 @@ class Resolution:
         # load_state_dict — and each replacement bumps it.
         self._native_args: dict = {}
         self.generation = 0
-        self._param_mask = torch.tensor(PARAM_STAGES, device=device)
+        self._param_mask = to_device(torch.tensor(PARAM_STAGES), device)
         P, S, K = num_params, len(STAGES), ring_size
         # the parameters' sizes (not state: they are the model's), to tell a held step (no finite gradient
         # entry on a parameter with a recent event) in the ring
-        self.numel = torch.tensor(numels if numels is not None else [0] * P, dtype=torch.int64).to(
-            device, non_blocking=True)  # (made inside a step: no host sync, as _base._device_indices)
+        self.numel = to_device(torch.tensor(numels if numels is not None else [0] * P, dtype=torch.int64),
+                               device)  # (made inside a step: no host sync, as _base._device_indices)
         self.tensors: dict[str, torch.Tensor] = {
             "counts": torch.zeros(P, S, 2, dtype=torch.int64, device=device),
             "events": torch.zeros(P, S, dtype=torch.int64, device=device),
@@ -225,15 +244,18 @@ class Resolution:
         """(P,) any of a (P, S) bool over the parameter's own stages (all but "loss")."""
         mask = self._param_mask
         if mask.device != stage_flags.device:
-            mask = self._param_mask = mask.to(stage_flags.device)
+            mask = self._param_mask = to_device(torch.tensor(PARAM_STAGES), stage_flags.device)
         return (stage_flags & mask).any(-1)
 
     def record_step(self, step: int, step_counts: torch.Tensor, *, native: bool = False) -> None:
         """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state.
 
         ``native``: do it in the C loop of :mod:`nonans_optim.native` when it is available and the tensors
-        are on the CPU (``impl="fused"`` and ``"auto"``: there these twenty small ops cost more than the
-        repair itself); the torch code below is the ground truth it is tested against."""
+        are on the CPU, or in one Triton launch (``kernels/record.py``) on CUDA (``impl="fused"`` and
+        ``"auto"``: there these thirty small ops cost more than the repair itself); the torch code below is
+        the ground truth both are tested against."""
+        if native and _record_on_triton(self.tensors["scale"].device) and self._record_triton(step, step_counts):
+            return
         if native and self.tensors["scale"].is_cpu and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
         t = self.tensors
@@ -294,6 +316,22 @@ class Resolution:
         args = self._native_args[key] = NativeArgs(self, list(indices), sel)
         return args
 
+    @torch.compiler.disable  # a Triton launch: run eagerly inside a compiled step
+    def _record_triton(self, step: int, step_counts: torch.Tensor) -> bool:
+        from .kernels.record import record_step_
+
+        try:
+            record_step_(self.tensors, step_counts.contiguous(), step, numel=self.numel, backoff=self.backoff,
+                         min_scale=self.min_scale, growth_interval=self.growth_interval,
+                         repeat_window=self.repeat_window, loss_stage=STAGE_INDEX["loss"],
+                         grad_stage=STAGE_INDEX["grad"])
+        except Exception as err:  # noqa: BLE001 — a compile error, say: nothing was written; torch records
+            _TRITON_RECORD_FAILED.append(f"{type(err).__name__}: {err}")
+            warnings.warn(f"the Triton record kernel failed ({_TRITON_RECORD_FAILED[0][:300]}); recording "
+                          "with torch ops from now on", RuntimeWarning, stacklevel=4)
+            return False
+        return True
+
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
     def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
         return native.record_step(self.tensors, step_counts, step, numel=self.numel, backoff=self.backoff,
@@ -306,7 +344,7 @@ class Resolution:
         self.policy = check_policy(policy)
         log = self.tensors["policy_log"]
         row = torch.full((1, 2), int(step), dtype=torch.int64, device=log.device)
-        row[0, 1] = POLICIES.index(policy)
+        row[:, 1].fill_(POLICIES.index(policy))  # (an item assignment would copy a host scalar: a sync)
         log.copy_(torch.cat((log[1:], row)))
 
     def policy_at(self, step: int, log: list[list[int]] | None = None) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nonans_optim as no
-from nonans_optim import native
+from nonans_optim import kernels, native
 from nonans_optim.optimizers._fused import auto_choice
 from optim_infos import INFOS, make_model, state_tensors, train_steps
 
@@ -68,7 +68,9 @@ def test_auto_is_the_default(info):
 @pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 @pytest.mark.parametrize("info", BASE, ids=[i.name for i in BASE])
 def test_auto_is_fused_where_the_native_loops_cover(info):
-    assert auto_choice("cpu") == "fused" and auto_choice("cuda") == "foreach"  # what the reports state
+    assert auto_choice("cpu") == "fused" and auto_choice("cpu", spectral=True) == "fused"  # what reports state
+    assert auto_choice("cuda") == ("fused" if kernels.available() else "foreach")  # (SF-)AdamW: Triton
+    assert auto_choice("cuda", spectral=True) == "foreach"  # its fused CUDA path compiles: never a default
     _assert_identical(_run(info, "fused"), _run(info, None))
 
 

@@ -194,3 +194,14 @@ def test_scalar_step_kernels(policy, param):
         assert "fma.rn.f32" not in compiled.asm["ptx"], "no contraction: clean repair must equal off"
         assert re.search(r"st\.global(\.\w+)*\.v[24]", compiled.asm["ptx"]), "full blocks: vector stores"
 
+
+
+def test_record_kernel():
+    """The one-launch resolution record (kernels/record.py): int64 counters, bool ring bits, one program."""
+    from nonans_optim.kernels.record import BLOCK_P, _record_kernel
+
+    types = dict(SC="*i64", COUNTS="*i64", EVENTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64", RING_ESC="*i1",
+                 RING_HELD="*i1", RING_PTR="*i64", SCALE="*fp32", STREAK="*i64", ESCALATIONS="*i64",
+                 NUMEL="*i64", step="i64", P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32",
+                 window="i32")
+    _binary_ok(compile_for_hopper(_record_kernel, types, dict(S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P)))

@@ -118,7 +118,11 @@ def case_adamw_off_is_torch(device):
         opt.step()
         fused_adamw_(p, g, m, v, lr=1e-2, bias_correction1=1 - 0.9**t, bias_correction2=1 - 0.999**t,
                      policy="off", **HYPER)
-    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+    # On CPU the two agree to 1e-7. On an H100 (2026-11-25) 10 of 1000 entries differed by up to 1.4e-7:
+    # torch's CUDA kernels (nvcc) and this Triton kernel each let their compiler contract multiply-adds into
+    # FMAs, in different places, so the two may differ by one ulp of the intermediate p·(1 − lr·wd),
+    # whose magnitude is |p0| (< 4 here, one ulp ≤ 2.4e-7) even where the result is near zero.
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7 if device == "cpu" else 2.4e-7)
     torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], rtol=1e-6, atol=1e-10)
 

@@ -19,6 +19,7 @@ where both errors are summation-order noise of similar size (measured ≤ 1.4x) 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,8 +51,14 @@ def _input(shape, dtype, device, seed=0):
     return normalise(torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
 
 
-def _assert_within(kernel_err: float, torch_err: float, k: float, what: str) -> None:
-    assert kernel_err <= k * torch_err, f"{what}: kernel error {kernel_err:.3e} > {k} x torch {torch_err:.3e}"
+def _assert_within(kernel_err: float, torch_err: float, k: float, what: str, contraction: int = 0) -> None:
+    """kernel error ≤ k × torch's error at the same dtype. In fp32, torch's error may be the output rounding
+    alone (cuBLAS on an H100: 7.6e-8 for a 1030-long contraction, 2026-11-25), which no single-pass fp32
+    accumulation reaches; there the bar is the probabilistic bound √K·u of a K-term fp32 sum (Higham and
+    Mary, "A new approach to probabilistic rounding error analysis", SISC 2019), u = 2⁻²⁴."""
+    floor = math.sqrt(contraction) * 2.0 ** -24 if contraction else 0.0
+    bar = k * max(torch_err, floor)
+    assert kernel_err <= bar, f"{what}: kernel error {kernel_err:.3e} > {k} x max(torch {torch_err:.3e}, {floor:.1e})"
 
 
 # ----------------------------------------------------------------------------------------------- cases
@@ -64,7 +71,8 @@ def case_gram(device, dtype, shape):
     assert torch.equal(A, A.mT), "gram output must be exactly symmetric (one triangle, mirrored)"
     X64 = X.double()
     oracle = X64 @ X64.mT
-    _assert_within(_rel(A, oracle), _rel(gram_reference(X), oracle), K[dtype], f"gram {dtype} {shape}")
+    _assert_within(_rel(A, oracle), _rel(gram_reference(X), oracle), K[dtype], f"gram {dtype} {shape}",
+                   contraction=shape[2] if dtype is torch.float32 else 0)
 
 
 def case_gram_scaled(device, shape):

@@ -304,3 +304,19 @@ else:
                 opt.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_gpu_auto_runs_the_triton_kernels(cls, monkeypatch):
+        """impl="auto" on CUDA is impl="fused" (the Triton kernels) — bit for bit, with no fallback taken —
+        through the fault sequence of test_fused._run."""
+        from nonans_optim.optimizers import _fused_triton
+
+        _force_triton(monkeypatch)
+        got, got_opt = _run(cls, "auto", "repair", device="cuda")
+        want, want_opt = _run(cls, "fused", "repair", device="cuda")
+        assert not _fused_triton._FAILED
+        for p, q in zip(got, want):
+            assert torch.equal(p, q)
+        assert [e.action for e in got_opt.events] == [e.action for e in want_opt.events]

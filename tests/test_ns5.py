@@ -381,3 +381,23 @@ def test_polynomial_cannot_overflow_fp16():
         assert worst[k] <= bound[k] + 1e-9, (k, worst[k], bound[k])
     assert max(worst[k] for k in ("A", "A2", "B", "BX")) <= 3.2
     assert worst["BX"] > 3.0  # the bound is nearly attained: the test inputs do reach the hard region
+
+
+def test_auto_backend_takes_triton_from_the_measured_crossover(monkeypatch):
+    """backend="auto": Triton on CUDA from a short side of TRITON_MIN_DIM (the H100 crossover of
+    `python -m experiments kernels`), torch below it and on every CPU tensor; the variable overrides it."""
+    pytest.importorskip("triton")
+    from nonans_optim.ns5 import TRITON_MIN_DIM, _resolve_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("NONANS_NS5_TRITON_MIN_DIM", raising=False)
+    monkeypatch.delenv("NONANS_NS5_BACKEND", raising=False)
+    assert _resolve_backend("auto", cuda, (TRITON_MIN_DIM, 2 * TRITON_MIN_DIM)) == "triton"
+    assert _resolve_backend("auto", cuda, (TRITON_MIN_DIM // 2, 4 * TRITON_MIN_DIM)) == "torch"
+    assert _resolve_backend("auto", cpu, (TRITON_MIN_DIM, TRITON_MIN_DIM)) == "torch"
+    monkeypatch.setenv("NONANS_NS5_TRITON_MIN_DIM", "512")
+    assert _resolve_backend("auto", cuda, (512, 512)) == "triton"
+    assert _resolve_backend("auto", cuda, (511, 4096)) == "torch"
+    monkeypatch.setenv("NONANS_NS5_TRITON_MIN_DIM", "big")
+    with pytest.raises(ValueError, match="NONANS_NS5_TRITON_MIN_DIM"):
+        _resolve_backend("auto", cuda, (512, 512))

@@ -346,13 +346,20 @@ def test_no_host_sync_in_step_on_gpu(info, impl):
     model = make_model().cuda()
     opt = info.make(model.named_parameters(), impl=impl)
     tokens, img, y = (t.cuda() for t in make_batch(0))
-    for i in range(3):  # the first step allocates state
+    # The first step allocates state, and must not sync either — except where it runs torch.compile
+    # (impl="compiled"; "fused" spectral steps on CUDA), whose compile syncs (inductor's, not ours: 129 to
+    # 236 syncs at the first step on an H100, 0 after, `python -m experiments sync-audit`).
+    compiles = impl == "compiled" or (impl == "fused" and info.name not in ("AdamW", "SFAdamW"))
+    for i in range(3):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(tokens, img), y)
         loss.backward()
         if i == 2:
             model.fc1.weight.grad[0, 0] = float("nan")
         opt.set_loss(loss)
+        if i == 0 and compiles:
+            opt.step()
+            continue
         torch.cuda.set_sync_debug_mode("error")
         try:
             opt.step()

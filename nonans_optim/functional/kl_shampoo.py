@@ -138,7 +138,7 @@ def kl_shampoo_init_state(shape: tuple[int, int], device, *,
         "kl_basis_right": torch.eye(n, **f32),
         "kl_eigvals_left": torch.full((m,), float(init_factor), **f32),
         "kl_eigvals_right": torch.full((n,), float(init_factor), **f32),
-        "kl_damping": torch.tensor(DEFAULT_DAMPING, **f32),
+        "kl_damping": torch.full((), DEFAULT_DAMPING, **f32),  # (torch.tensor(x, device=) copies: a sync)
     }
 
 

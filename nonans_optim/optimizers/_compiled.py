@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .._transfer import to_device
 from ..functional.spike import spike_scale
 from ..resolution import STAGES, finite_mask, storable_mask  # |x| < inf: one vectorised compare once compiled
 from ._common import eager_guard
@@ -244,9 +245,7 @@ def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: t
     coef = beta1 * (1 - c) - 1 if sf else 0.0
     hp = torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], c, coef], dtype=dtype)
     bcs = torch.tensor([[1 - beta1 ** s, 1 - beta2 ** s] for s in steps], dtype=dtype)
-    if device.type != "cpu":
-        hp, bcs = hp.to(device, non_blocking=True), bcs.to(device, non_blocking=True)
-    return hp, bcs
+    return to_device(hp, device), to_device(bcs, device)
 
 
 def resolution_args(ctx: dict[str, Any], indices: list[int], device: torch.device):

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._transfer import to_device
 from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..resolution import finite_mask, storable_mask
@@ -197,7 +198,7 @@ def _kernels(tag: str):
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    return t if device.type == "cpu" else to_device(t, device)
 
 
 def _buckets(params: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], bool], ...]:

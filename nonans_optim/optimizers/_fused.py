@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .. import native
+from .. import kernels, native
 from ..native import Int64Array
 from ..functional.spike import SPIKE_BETA
 from ._common import check_sizes, dense_counts, mark_written, resolution_written
@@ -77,10 +77,22 @@ def resolution_pointers(ctx: dict[str, Any], indices: list[int], *, record: bool
                 written=a.written if rec is not None else resolution_written(ctx))
 
 
-def auto_choice(device: torch.device | str) -> str:
-    """What ``impl="auto"`` runs for fp32 contiguous groups on ``device``: "fused" (the native loops) on a
-    CPU where they build, else "foreach" — for reports that must say which path they measured."""
-    return "fused" if torch.device(device).type == "cpu" and native.library() is not None else "foreach"
+def auto_choice(device: torch.device | str, spectral: bool = False) -> str:
+    """What ``impl="auto"`` runs for fp32 contiguous groups on ``device`` — for reports that must say which
+    path they measured: "fused" (the native loops) on a CPU where they build; on CUDA "fused" (the Triton
+    kernels) for the (SF-)AdamW step where triton imports, and "foreach" for the spectral step (whose
+    fused CUDA path is torch.compile, which a default must not bring); else "foreach".
+
+    Why Triton by default on CUDA: on an H100 (2026-11-25, RESULTS.md "overhead-gpu") the foreach step of
+    the overhead experiment's GPT took 6.7 ms "off" and 34.8 ms under "repair" — ~580 and ~2900 kernel
+    launches (``python -m experiments sync-audit``), a host-bound step — where the Triton kernels took 0.9
+    and 2.2 ms. Their one-time JIT compile is cached on disk by Triton."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "fused" if native.library() is not None else "foreach"
+    if device.type == "cuda" and not spectral and kernels.available():
+        return "fused"
+    return "foreach"
 
 
 def _warn_unavailable() -> None:

@@ -69,7 +69,8 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
         torch._foreach_add_([st["step"] for st in states], -1.0)
         _FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); using impl='compiled'",
+        warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); falling back to "
+                      "impl='compiled' (impl='auto': 'foreach')",
                       RuntimeWarning, stacklevel=6)
         return False
     mark_written(params, seconds, vs, resolution_written(ctx))

@@ -23,6 +23,7 @@ from ..resolution import finite_mask
 from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled import compiled_scalar_update
 from ._fused import fused_scalar_update, native_scalar_update
+from ._fused_triton import triton_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
 
@@ -43,9 +44,13 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
     """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak).
 
     ``impl="auto"``: the native loop where it covers the group (contiguous fp32 CPU tensors and a C
-    compiler), else "foreach" — never a compile step or a warning, which a default must not bring."""
+    compiler), the multi-tensor Triton kernels for a CUDA group (see :func:`._fused.auto_choice`), else
+    "foreach" — never torch.compile, which a default must not bring."""
     if impl == "auto":
         if native_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c):
+            return None
+        if params[0].is_cuda and triton_scalar_update(params, grads, states, indices, group, ctx, sf=sf,
+                                                      gamma=gamma, c=c):
             return None
         grads, impl = eager_guard(grads, indices, ctx), "foreach"
     if impl == "fused":

@@ -17,6 +17,7 @@ import torch
 
 from .._base import NonansOptimizer
 from .._checkpoint import needs_init
+from .._transfer import to_device
 from .._validation import _check_float, _check_int, check_betas
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
@@ -164,7 +165,7 @@ class Fusion(NonansOptimizer):
         sizes = tuple(g.numel() for g in grads)
         numels = self._index_cache.get(("numels", sizes, str(l1.device)))
         if numels is None:  # built once per gradient set: no host→device copy per step
-            numels = torch.tensor(sizes, dtype=torch.float32).to(l1.device, non_blocking=True)
+            numels = to_device(torch.tensor(sizes, dtype=torch.float32), l1.device)
             self._index_cache[("numels", sizes, str(l1.device))] = numels
         l1_sum = torch.where(ok, l1, torch.zeros_like(l1)).sum()
         count = torch.where(ok, numels, torch.zeros_like(numels)).sum()

@@ -1,0 +1,156 @@
+"""``python -m experiments sync-audit`` — where a CUDA ``step()`` talks to the host, and how many launches it makes.
+
+Issue 3 promises "nothing in ``step()`` synchronises with the host" and a resolution step that costs nothing
+measurable on a GPU. Two things decide that on CUDA, and a CPU machine can see neither:
+
+* **host syncs**: ``torch.cuda.set_sync_debug_mode("warn")`` makes torch warn at every synchronising call
+  (``.item()``, a pageable host→device copy, ``nonzero``...). The warning is raised from inside the
+  offending Python call, so capturing the stack there names the line in this library that caused it. The
+  first step (state creation) and later steps are audited separately: both run inside ``step()``.
+* **launch count**: eager optimizer code on a GPU is bound by the host issuing kernels (each ``aten`` op on
+  a small tensor costs several microseconds of CPU time however little the GPU does), so the number of
+  kernels ``step()`` launches — under "repair" and "off", one optimizer whose policy is switched, as in
+  ``experiments/overhead.py`` — is what the resolution step's overhead on a GPU is made of.
+
+Output: ``results/sync_audit.json`` (or ``--out``) and its table in RESULTS.md ("sync-audit"; ``--results-md
+''`` skips it). Without CUDA it says so and exits 0, writing nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON_PATH = ROOT / "results" / "sync_audit.json"
+
+
+def _library_frame(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frame inside nonans_optim (else the innermost frame) as ``path:line function``."""
+    for frame in reversed(stack):
+        if "nonans_optim" in frame.filename:
+            name = frame.filename[frame.filename.rfind("nonans_optim"):]
+            return f"{name}:{frame.lineno} {frame.name}"
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno} {frame.name}"
+
+
+def syncs_of(fn) -> collections.Counter:
+    """{library frame: count} of the synchronising CUDA calls ``fn()`` makes."""
+    sites: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            sites[_library_frame(traceback.extract_stack()[:-1])] += 1
+
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    return sites
+
+
+def launches_of(fn) -> dict[str, Any]:
+    """Kernels launched and host time of one ``fn()``, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = memcpy = 0
+    ops: collections.Counter = collections.Counter()
+    for e in prof.key_averages():
+        if "LaunchKernel" in e.key:
+            launches += e.count
+        elif "Memcpy" in e.key and e.key.startswith("cuda"):
+            memcpy += e.count
+        elif e.key.startswith("aten::"):
+            ops[e.key] = e.count
+    return {"launches": launches, "memcpy_calls": memcpy, "top_aten": ops.most_common(12)}
+
+
+def run(steps: int = 3) -> dict[str, Any]:
+    from experiments._models import DEFAULT, build_gpt, synthetic_grads
+    from experiments.overhead import OPTIMIZERS
+    from experiments.overhead_controls import build_optimizer, switched
+
+    device = torch.device("cuda")
+    base = build_gpt(DEFAULT, device=device)
+    grads = synthetic_grads(base)
+    rows = []
+    for name, make in OPTIMIZERS.items():
+        opt = build_optimizer(base, grads, make, "repair")
+        row: dict[str, Any] = {"optimizer": name, "first_step_syncs": dict(syncs_of(opt.step))}
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+        row["later_step_syncs"] = dict(syncs_of(opt.step))
+        for policy in ("repair", "off"):
+            step = switched(opt, policy, opt.spike_factor)
+            step()  # a policy change logs once: keep it out of the profile
+            row[policy] = launches_of(step)
+        rows.append(row)
+        print(f"{name:34s} syncs first/later {sum(row['first_step_syncs'].values()):3d} / "
+              f"{sum(row['later_step_syncs'].values()):3d}   launches repair {row['repair']['launches']:5d} "
+              f"off {row['off']['launches']:5d}", flush=True)
+        for site, n in sorted({**row["first_step_syncs"], **row["later_step_syncs"]}.items()):
+            print(f"    sync x{n}: {site}")
+    return {"command": "python -m experiments sync-audit", "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "rows": rows}
+
+
+def render(data: dict[str, Any]) -> str:
+    """The RESULTS.md section of one audit (from its JSON; nothing typed by hand)."""
+    lines = [f"Command: `{data['command']}` (JSON: `results/sync_audit.json`) on {data['device']}, torch "
+             f"{data['torch']}. Each optimizer of the overhead experiment on its GPT, synthetic gradients: host "
+             "syncs that `torch.cuda.set_sync_debug_mode(\"warn\")` reports inside `step()` (the first step, "
+             "which creates the state, and a later one), and the kernels one later step launches (torch.profiler) "
+             "under \"repair\" and \"off\" — one optimizer whose policy is switched, as in the overhead table.",
+             "", "| optimizer | syncs, first step | syncs, later step | launches repair | launches off | "
+             "sync sites |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        sites = {**r["first_step_syncs"], **r["later_step_syncs"]}
+        where = "; ".join(f"`{s}` ×{n}" for s, n in sorted(sites.items())) or "—"
+        lines.append(f"| {r['optimizer']} | {sum(r['first_step_syncs'].values())} | "
+                     f"{sum(r['later_step_syncs'].values())} | {r['repair']['launches']} | {r['off']['launches']} "
+                     f"| {where} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments sync-audit", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=JSON_PATH, help=f"JSON path (default {JSON_PATH})")
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sync-audit: no CUDA device here; nothing to audit.")
+        return 0
+    data = run()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    text = render(data)
+    print(text)
+    if args.results_md:
+        from experiments.questions_io import replace_section
+
+        replace_section(Path(args.results_md), "sync-audit", text, title="Host syncs and launches on a GPU (issue 3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
