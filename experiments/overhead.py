@@ -68,6 +68,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "Muon (fused)": lambda m, pol: no.Muon(no.param_groups(m), lr=LR, resolution=pol, impl="fused"),
 }
 POLICIES = ("repair", "off")
+ROUNDS = 15  # default interleaved rounds (each runs every arm twice)
 
 
 def _step_arms(base: torch.nn.Module, grads: list[torch.Tensor], make) -> dict[str, Callable[[], None]]:
@@ -218,7 +219,7 @@ def run(args) -> dict[str, Any]:
     gpu = device.type == "cuda"
     limit = {"step": None if gpu else 1.02, "train_share": 0.003 if gpu else None}
     return {"command": "python -m experiments overhead" + (" --quick" if args.quick else "") +
-            (" --device cuda" if gpu else ""),
+            (" --device cuda" if gpu else "") + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else ""),
             "machine": machine, "device": torch.cuda.get_device_name() if gpu else "cpu",
             "model": {**vars(cfg), "batch": args.batch},
             "settings": {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner,
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else ROOT / "results" / "overhead.json"
         _publish(json.loads(out.read_text()), out, args.results_md)
         return 0
-    args.rounds = args.rounds or (2 if args.quick else 15)
+    args.rounds = args.rounds or (2 if args.quick else ROUNDS)
     args.warmup = args.warmup or (2 if args.quick else 3)
     if args.sample_ms is None:
         args.sample_ms = 0.0 if args.quick else 25.0

@@ -83,16 +83,18 @@ def launches_of(fn) -> dict[str, Any]:
     return {"launches": launches, "memcpy_calls": memcpy, "top_aten": ops.most_common(12)}
 
 
-def run(steps: int = 3) -> dict[str, Any]:
+def run(steps: int = 3, defaults_only: bool = False) -> dict[str, Any]:
     from experiments._models import DEFAULT, build_gpt, synthetic_grads
-    from experiments.overhead import OPTIMIZERS
+    from experiments.overhead import OPTIMIZERS, auto_runs, default_rows
     from experiments.overhead_controls import build_optimizer, switched
 
     device = torch.device("cuda")
     base = build_gpt(DEFAULT, device=device)
     grads = synthetic_grads(base)
     rows = []
-    for name, make in OPTIMIZERS.items():
+    names = default_rows(auto_runs(device)) if defaults_only else OPTIMIZERS
+    for name in names:
+        make = OPTIMIZERS[name]
         opt = build_optimizer(base, grads, make, "repair")
         row: dict[str, Any] = {"optimizer": name, "first_step_syncs": dict(syncs_of(opt.step))}
         for _ in range(steps):
@@ -109,14 +111,17 @@ def run(steps: int = 3) -> dict[str, Any]:
               f"off {row['off']['launches']:5d}", flush=True)
         for site, n in sorted({**row["first_step_syncs"], **row["later_step_syncs"]}.items()):
             print(f"    sync x{n}: {site}")
-    return {"command": "python -m experiments sync-audit", "device": torch.cuda.get_device_name(),
+    return {"command": "python -m experiments sync-audit" + (" --defaults" if defaults_only else ""),
+            "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "rows": rows}
 
 
 def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section of one audit (from its JSON; nothing typed by hand)."""
     lines = [f"Command: `{data['command']}` (JSON: `results/sync_audit.json`) on {data['device']}, torch "
-             f"{data['torch']}. Each optimizer of the overhead experiment on its GPT, synthetic gradients: host "
+             f"{data['torch']}. "
+             + ("Each optimizer as constructed by default (`impl=\"auto\"`)" if "--defaults" in data["command"] else
+                "Each optimizer of the overhead experiment") + " on its GPT, synthetic gradients: host "
              "syncs that `torch.cuda.set_sync_debug_mode(\"warn\")` reports inside `step()` (the first step, "
              "which creates the state, and a later one), and the kernels one later step launches (torch.profiler) "
              "under \"repair\" and \"off\" — one optimizer whose policy is switched, as in the overhead table.",
@@ -135,14 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments sync-audit", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=JSON_PATH, help=f"JSON path (default {JSON_PATH})")
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
+    ap.add_argument("--defaults", action="store_true",
+                    help="only each optimizer's default configuration (no torch.compile'd rows: much faster)")
+    ap.add_argument("--render-only", action="store_true", help="re-render RESULTS.md from the JSON at --out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.render_only:
+        data = json.loads(args.out.read_text())
+    elif not torch.cuda.is_available():
         print("sync-audit: no CUDA device here; nothing to audit.")
         return 0
-    data = run()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    else:
+        data = run(defaults_only=args.defaults)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.out}")
     text = render(data)
     print(text)
     if args.results_md:
