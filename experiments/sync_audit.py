@@ -47,7 +47,7 @@ def syncs_of(fn) -> collections.Counter:
     sites: collections.Counter = collections.Counter()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):  # (not the "prototype feature" notice)
             sites[_library_frame(traceback.extract_stack()[:-1])] += 1
 
     old = warnings.showwarning
