@@ -20,6 +20,7 @@ the device-side bookkeeping object an optimizer owns. No function here calls ``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Callable
 
@@ -53,6 +54,7 @@ HELD = "held"
 
 
 _TRITON_RECORD_FAILED: list[str] = []  # the first failure of the Triton record in this process, if any
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (triton reads it once at import, too)
 
 
 def _record_on_triton(device: torch.device) -> bool:
@@ -254,8 +256,10 @@ class Resolution:
         are on the CPU, or in one Triton launch (``kernels/record.py``) on CUDA (``impl="fused"`` and
         ``"auto"``: there these thirty small ops cost more than the repair itself); the torch code below is
         the ground truth both are tested against."""
-        if native and _record_on_triton(self.tensors["scale"].device) and self._record_triton(step, step_counts):
-            return
+        device = self.tensors["scale"].device
+        if native and (device.type != "cpu" or _INTERPRETED) and _record_on_triton(device) \
+                and self._record_triton(step, step_counts):
+            return  # (a CPU step pays one attribute test for this, not an import and an environment read)
         if native and self.tensors["scale"].is_cpu and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
         t = self.tensors

@@ -119,13 +119,15 @@ def case_adamw_off_is_torch(device):
         fused_adamw_(p, g, m, v, lr=1e-2, bias_correction1=1 - 0.9**t, bias_correction2=1 - 0.999**t,
                      policy="off", **HYPER)
     # On CPU the two agree to the tolerances below. On an H100 (2026-11-25) 10 of 1000 parameters differed
-    # by up to 1.4e-7 and 2 of 1000 exp_avg entries by 2.3e-8: torch's CUDA kernels (nvcc) and this Triton
-    # kernel each let their compiler contract multiply-adds into FMAs, in different places, so an entry may
-    # differ by one ulp of an intermediate as large as the largest entry (p·(1 − lr·wd), the lerp of m),
-    # even where the result itself is near zero: there the bound is one ulp at the tensor's largest entry.
+    # by up to 1.4e-7 and, in another run, 2 of 1000 exp_avg entries by 2.3e-8: torch's CUDA kernels (nvcc)
+    # and this Triton kernel each let their compiler contract multiply-adds into FMAs, in different places,
+    # so each rounding of an intermediate as large as the tensor's largest entry (p·(1 − lr·wd), the lerp of
+    # m, β₂·v + (1 − β₂)·g²) may differ by one ulp even where the result is near zero. Two such roundings
+    # per step, two steps: four ulps at the tensor's largest entry. (A third run failed the one-ulp bound
+    # at an entry its log did not keep; this bound was not run on a GPU.)
     def tol(ref_t: torch.Tensor, cpu_atol: float) -> dict:
-        top_ulp = float(torch.finfo(ref_t.dtype).eps * ref_t.abs().max())
-        return dict(rtol=1e-6, atol=cpu_atol if device == "cpu" else max(cpu_atol, top_ulp))
+        top_ulps = 4 * float(torch.finfo(ref_t.dtype).eps * ref_t.abs().max())
+        return dict(rtol=1e-6, atol=cpu_atol if device == "cpu" else max(cpu_atol, top_ulps))
     torch.testing.assert_close(p, ref.detach(), **tol(ref.detach(), 1e-7))
     torch.testing.assert_close(m, opt.state[ref]["exp_avg"], **tol(opt.state[ref]["exp_avg"], 1e-8))
     torch.testing.assert_close(v, opt.state[ref]["exp_avg_sq"], **tol(opt.state[ref]["exp_avg_sq"], 1e-10))

@@ -83,10 +83,11 @@ def auto_choice(device: torch.device | str, spectral: bool = False) -> str:
     kernels) for the (SF-)AdamW step where triton imports, and "foreach" for the spectral step (whose
     fused CUDA path is torch.compile, which a default must not bring); else "foreach".
 
-    Why Triton by default on CUDA: on an H100 (2026-11-25, RESULTS.md "overhead-gpu") the foreach step of
-    the overhead experiment's GPT took 6.7 ms "off" and 34.8 ms under "repair" — ~580 and ~2900 kernel
-    launches (``python -m experiments sync-audit``), a host-bound step — where the Triton kernels took 0.9
-    and 2.2 ms. Their one-time JIT compile is cached on disk by Triton."""
+    Why Triton by default on CUDA: on an H100 (2026-11-25, ``python -m experiments overhead --device cuda``,
+    RESULTS.md "overhead-gpu") the foreach AdamW step of that experiment's GPT took 6.8 ms "off" and 33.9 ms
+    under "repair" — a host-bound step of ~580 and ~2900 kernel launches (``python -m experiments
+    sync-audit``) — where the Triton kernels took 0.9 and 1.3 ms. Triton caches their one-time JIT compile
+    on disk."""
     device = torch.device(device)
     if device.type == "cpu":
         return "fused" if native.library() is not None else "foreach"
