@@ -40,6 +40,10 @@ ITERATIONS = 5
 GPU_SHAPES = [(1, 256, 256), (1, 512, 512), (1, 1024, 1024), (1, 2048, 2048), (1, 4096, 4096),
               (1, 8192, 8192), (1, 4096, 11008), (32, 1024, 1024), (8, 2048, 2048), (128, 512, 512)]
 DRY_SHAPES = [(1, 16, 16), (2, 16, 24)]
+# FusionOpt's open question 2b — does fusing the fp16 rescale-restore into the matmul epilogues change the
+# picture on NVIDIA? — on a few shapes (the arms are in bench_fp16_safe)
+FP16_GPU_SHAPES = [(1, 1024, 1024), (1, 4096, 4096), (8, 2048, 2048)]
+FP16_DRY_SHAPES = [(1, 16, 24)]
 TARGETS = {"speedup_vs_eager_4096": 1.4, "limit_ratio_8192": 1.15, "min_speedup_vs_eager": 0.95}
 
 
@@ -126,6 +130,37 @@ def bench_ns5(timer, device, shapes, rate: float, compile_backend: str | None, l
             f"({row['speedup_vs_eager']:.2f}x, {row['triton_tflops']:.0f} TFLOP/s dense-equivalent)  "
             f"compiled {row.get('compiled_ms', float('nan')):9.3f} ms  limit {row['symmetric_limit_ms']:8.3f} ms "
             f"err {row['rel_err_triton']:.2e} vs eager {row['rel_err_eager']:.2e}")
+    return rows
+
+
+def bench_fp16_safe(timer, device, shapes, log) -> list[dict]:
+    """The fp16 rescale-restore NS5 (``ns5_iterate_fp16_safe``: the ×s on the first loads and the ÷s in the
+    last epilogue, fused) against the same sequence unfused in torch (scale, cast, fp16 iteration, unscale:
+    ``ns5_iterate_fp16_safe_reference``), plain fp16 and bf16 Triton without any rescale, from an fp32 input;
+    errors against the fp32 iteration of the same input. Answers whether fusing makes the fp16-safe variant
+    cost what plain fp16 costs (FusionOpt open question 2b)."""
+    from nonans_optim.kernels import ns5_iterate, ns5_iterate_fp16_safe, ns5_iterate_fp16_safe_reference
+    from nonans_optim.ns5 import KELLER_COEFFICIENTS, iterate_reference, normalise
+
+    coefficients = [KELLER_COEFFICIENTS] * ITERATIONS
+    rows = []
+    for b, m, n in shapes:
+        torch.manual_seed(0)
+        X = normalise(torch.randn(b, m, n, device=device)).contiguous()
+        ref = iterate_reference(X, coefficients)
+        arms = {"fused": lambda: ns5_iterate_fp16_safe(X, coefficients),
+                "unfused_torch": lambda: ns5_iterate_fp16_safe_reference(X, coefficients),
+                "plain_fp16": lambda: ns5_iterate(X.half(), coefficients),
+                "plain_bf16": lambda: ns5_iterate(X.bfloat16(), coefficients)}
+        row: dict[str, Any] = {"batch": b, "m": m, "n": n, "iterations": ITERATIONS}
+        for name, fn in arms.items():
+            row[f"{name}_ms"] = timer(fn)
+            row[f"rel_err_{name}"] = _rel(fn(), ref)
+        row["fused_vs_unfused"] = row["unfused_torch_ms"] / row["fused_ms"]
+        row["fused_vs_plain_fp16"] = row["fused_ms"] / row["plain_fp16_ms"]
+        rows.append(row)
+        log(f"  fp16-safe {b}x{m}x{n}: fused {row['fused_ms']:.3f} ms, unfused torch {row['unfused_torch_ms']:.3f} "
+            f"ms, plain fp16 {row['plain_fp16_ms']:.3f} ms, bf16 {row['plain_bf16_ms']:.3f} ms")
     return rows
 
 
@@ -235,6 +270,7 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
     log(f"  bf16 matmul {rate / 1e12:.1f} TFLOP/s, copy {bandwidth / 1e9:.0f} GB/s")
     compile_backend = None if not compile_ref else ("eager" if dry_run else "inductor")
     rows = bench_ns5(timer, device, shapes or (DRY_SHAPES if dry_run else GPU_SHAPES), rate, compile_backend, log)
+    fp16_safe = bench_fp16_safe(timer, device, FP16_DRY_SHAPES if dry_run else FP16_GPU_SHAPES, log)
     elementwise = bench_elementwise(timer, device, 4096 if dry_run else 1 << 26, log)
     elementwise["adamw_repair_fraction_of_copy"] = elementwise["adamw_repair_gbps"] * 1e9 / bandwidth
     elementwise["momentum_fraction_of_copy"] = elementwise["momentum_repair_gbps"] * 1e9 / bandwidth
@@ -244,7 +280,7 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
-            "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows),
+            "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows), "fp16_safe": fp16_safe,
             "elementwise": elementwise, "fused_step": fused_step, "targets": check_targets(rows)}
 
 
@@ -276,7 +312,21 @@ def render(data: dict[str, Any]) -> str:
         return f"{key} {value:.2f} (target {t['targets'][key]}): {'met' if ok else 'MISSED'}"
 
     lines += ["", f"Targets: {'; '.join(verdict(k) for k in t['met'])}. Crossover (smallest single square "
-              f"size from which Triton is never slower than eager): {c.get('single_square_min_dim')}.", "",
+              f"size from which Triton is never slower than eager): {c.get('single_square_min_dim')}.", ""]
+    if data.get("fp16_safe"):
+        lines += ["fp16 rescale-restore NS5 (FusionOpt open question 2b), from an fp32 input; errors against the "
+                  "fp32 iteration of that input:", "",
+                  "| batch × m × n | fp16-safe fused (Triton) ms | same unfused (torch) ms | plain fp16 (Triton) ms | "
+                  "bf16 (Triton) ms | unfused / fused | fused / plain fp16 | rel. error fused / unfused / fp16 / "
+                  "bf16 |", "|---|---|---|---|---|---|---|---|"]
+        for r in data["fp16_safe"]:
+            lines.append(f"| {r['batch']}×{r['m']}×{r['n']} | {_ms(r['fused_ms'])} | {_ms(r['unfused_torch_ms'])} | "
+                         f"{_ms(r['plain_fp16_ms'])} | {_ms(r['plain_bf16_ms'])} | {r['fused_vs_unfused']:.2f}x | "
+                         f"{r['fused_vs_plain_fp16']:.2f} | {r['rel_err_fused']:.1e} / "
+                         f"{r['rel_err_unfused_torch']:.1e} / {r['rel_err_plain_fp16']:.1e} / "
+                         f"{r['rel_err_plain_bf16']:.1e} |")
+        lines.append("")
+    lines += [
               "| elementwise (fp32) | ms | GB/s | share of copy bandwidth |", "|---|---|---|---|",
               f"| fused_adamw_ repair ({e['numel']:,} entries) | {_ms(e['adamw_repair_ms'])} | "
               f"{e['adamw_repair_gbps']:.0f} | {e['adamw_repair_fraction_of_copy']:.2f} |",

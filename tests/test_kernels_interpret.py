@@ -247,11 +247,17 @@ if INTERPRETED:
             # the benchmark's own accuracy column: bf16 kernel vs bf16 eager against an fp32 run
             assert row["rel_err_triton"] <= K[torch.bfloat16] * row["rel_err_eager"]
         assert data["elementwise"]["adamw_repair_gbps"] > 0
+        # FusionOpt 2b: the fused fp16-safe variant, its unfused torch twin, plain fp16 and bf16, each timed
+        # and each within its dtype's error of the fp32 iteration (the fused one no worse than the unfused)
+        assert {(r["batch"], r["m"], r["n"]) for r in data["fp16_safe"]} == set(bench.FP16_DRY_SHAPES)
+        for r in data["fp16_safe"]:
+            assert all(r[f"{arm}_ms"] > 0 for arm in ("fused", "unfused_torch", "plain_fp16", "plain_bf16"))
+            assert r["rel_err_fused"] <= K_FP16_SAFE * r["rel_err_unfused_torch"] and r["rel_err_plain_bf16"] < 0.05
         fused = data["fused_step"]
         assert fused["numel"] == 4096 and all(fused[f"{k}_ms"] > 0 for k in ("repair", "off", "torch_fused"))
         text = bench.render(data)  # the GPU run's RESULTS.md section, exercised on the dry run's JSON
         assert all(f"| {b}×{m}×{n} |" in text for b, m, n in bench.DRY_SHAPES) and "Targets:" in text
-        assert 'AdamW(impl="fused") repair / off' in text
+        assert 'AdamW(impl="fused") repair / off' in text and "open question 2b" in text
         with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
             bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
         assert not (tmp_path / "R.md").exists()
