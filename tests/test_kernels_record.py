@@ -8,7 +8,8 @@ Pinned down, for random counter states and step counts (hypothesis): every Resol
 record equals the torch record's bit for bit — the cumulative counts and events, the escalation (scale,
 clean streak, escalations), the event ring (counts, step, escalated and held bits, write pointer) — across
 parameter counts that cross the kernel's block of parameters, ring wrap-around, sparse and whole-tensor
-events, the loss stage (counted, nobody's event) and a scale at its floor or ceiling.
+events, the loss stage (counted, nobody's event) and a scale at its floor or ceiling; a launch that fails
+falls back to the torch record, once and for good, with the same results.
 """
 from __future__ import annotations
 
@@ -105,8 +106,38 @@ def case_optimizers_record_through_the_kernel(device, monkeypatch):
         assert torch.equal(a.cpu(), b.cpu()), k
 
 
+def case_failed_record_falls_back_to_torch(device, monkeypatch):
+    """A record launch that fails (a compile error, say) writes nothing: the step records with torch ops,
+    warns once, and every later step stays on torch — the same counters and events as impl="loop"."""
+    import nonans_optim as no
+    from nonans_optim import resolution
+    from nonans_optim.kernels import record
+    from test_fused import _run
+
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(resolution, "_TRITON_RECORD_FAILED", [])
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("planted compile error")
+    monkeypatch.setattr(record, "record_step_", broken)
+    ref, ref_opt = _run(no.AdamW, "loop", "repair", device=device)
+    with pytest.warns(RuntimeWarning, match="planted compile error") as caught:
+        got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
+    assert len(calls) == 1 and len([w for w in caught if "record kernel" in str(w.message)]) == 1
+    assert [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.action) for e in got_opt.events] \
+        == [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.action) for e in ref_opt.events]
+    for k in ("counts", "events", "scale", "clean_streak", "escalations", "ring_ptr", "ring_held"):
+        assert torch.equal(got_opt._get_resolution().tensors[k].cpu(), ref_opt._get_resolution().tensors[k].cpu()), k
+
+
 def _define(device, marks=()):
     mark = marker(marks)
+
+    @mark
+    def test_failed_record_falls_back_to_torch(monkeypatch):
+        case_failed_record_falls_back_to_torch(device, monkeypatch)
 
     @mark
     def test_kernel_matches_torch_record():
@@ -116,11 +147,12 @@ def _define(device, marks=()):
     def test_optimizers_record_through_the_kernel(monkeypatch):
         case_optimizers_record_through_the_kernel(device, monkeypatch)
 
-    return test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel
+    return test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel, test_failed_record_falls_back_to_torch
 
 
 if INTERPRETED:
-    test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel = _define("cpu")
+    (test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel,
+     test_failed_record_falls_back_to_torch) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -134,4 +166,5 @@ else:
         assert not _record_on_triton(torch.device("cpu"))
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
-    test_gpu_kernel_matches_torch_record, test_gpu_optimizers_record_through_the_kernel = _define("cuda", marks=gpu)
+    (test_gpu_kernel_matches_torch_record, test_gpu_optimizers_record_through_the_kernel,
+     test_gpu_failed_record_falls_back_to_torch) = _define("cuda", marks=gpu)
