@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nonans_optim._transfer import to_device
 from nonans_optim.functional.spike import SPIKE_BETA
 
 from ._cast import cast_rtne
@@ -319,8 +320,8 @@ def _layout(numels: tuple[int, ...], block: int, device: str):
     blocks = [triton.cdiv(n, block) for n in numels]
     first = torch.tensor([0] + blocks, dtype=torch.int64).cumsum(0)
     owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(blocks))
-    to = functools.partial(torch.Tensor.to, device=device, non_blocking=True)  # no sync, even the first time
-    return to(torch.tensor(numels, dtype=torch.int64)), to(first), to(owner), int(first[-1])
+    return (to_device(torch.tensor(numels, dtype=torch.int64), device), to_device(first, device),
+            to_device(owner, device), int(first[-1]))  # (pinned: no sync, even the first time)
 
 
 def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str, decay_z: bool,

@@ -59,16 +59,13 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (triton reads it onc
 
 def _record_on_triton(device: torch.device) -> bool:
     """Whether a step's record runs the Triton kernel: CUDA counters (or CPU ones under the interpreter with
-    ``NONANS_FUSED_BACKEND=triton``, how CI tests it), triton importable, and no failure so far."""
+    ``NONANS_FUSED_BACKEND=triton``, how CI tests it), triton importable, and no failure so far. The device
+    test comes first: a CPU step pays one attribute test, not an environment read or a triton import."""
+    if not (device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)) or _TRITON_RECORD_FAILED:
+        return False
     from .optimizers._fused_triton import backend
 
-    if _TRITON_RECORD_FAILED or backend(device) != "triton" or not kernels.available():
-        return False  # (backend first: on a CPU by default, triton is never imported)
-    if device.type == "cuda":
-        return True
-    from .kernels._runtime import interpreting
-
-    return device.type == "cpu" and interpreting()
+    return backend(device) == "triton" and kernels.available()
 
 
 def _action(policy: str, held: bool) -> str:
@@ -257,10 +254,9 @@ class Resolution:
         ``"auto"``: there these thirty small ops cost more than the repair itself); the torch code below is
         the ground truth both are tested against."""
         device = self.tensors["scale"].device
-        if native and (device.type != "cpu" or _INTERPRETED) and _record_on_triton(device) \
-                and self._record_triton(step, step_counts):
-            return  # (a CPU step pays one attribute test for this, not an import and an environment read)
-        if native and self.tensors["scale"].is_cpu and self._record_native(step, step_counts):
+        if native and _record_on_triton(device) and self._record_triton(step, step_counts):
+            return
+        if native and device.type == "cpu" and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
         t = self.tensors
         stage_event = step_counts.sum(-1) > 0  # (P, S)

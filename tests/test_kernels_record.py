@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from nonans_optim.resolution import STAGE_INDEX, STAGES, Resolution  # noqa: E402
+from optim_infos import assert_resolution_matches  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -81,6 +82,12 @@ def case_kernel_matches_torch_record(device):
     check()
 
 
+def _assert_records_match(ref_opt, got_opt) -> None:
+    """Every Resolution tensor and event of ``got_opt`` as ``ref_opt`` recorded them, the actions too."""
+    assert_resolution_matches(ref_opt, got_opt)
+    assert [e.action for e in got_opt.events] == [e.action for e in ref_opt.events]
+
+
 def case_optimizers_record_through_the_kernel(device, monkeypatch):
     """AdamW(impl="fused") over test_fused's fault sequence records through the kernel (the torch record is
     made to fail the test) with the same counters and events as impl="loop"."""
@@ -99,11 +106,7 @@ def case_optimizers_record_through_the_kernel(device, monkeypatch):
     monkeypatch.setattr(resolution.Resolution, "_record_triton", counted)
     got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
     assert calls and not resolution._TRITON_RECORD_FAILED
-    assert [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.action, e.escalated) for e in got_opt.events] \
-        == [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.action, e.escalated) for e in ref_opt.events]
-    for k in ("counts", "events", "scale", "clean_streak", "escalations", "ring_ptr", "ring_held"):
-        a, b = got_opt._get_resolution().tensors[k], ref_opt._get_resolution().tensors[k]
-        assert torch.equal(a.cpu(), b.cpu()), k
+    _assert_records_match(ref_opt, got_opt)
 
 
 def case_failed_record_falls_back_to_torch(device, monkeypatch):
@@ -126,10 +129,7 @@ def case_failed_record_falls_back_to_torch(device, monkeypatch):
     with pytest.warns(RuntimeWarning, match="planted compile error") as caught:
         got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
     assert len(calls) == 1 and len([w for w in caught if "record kernel" in str(w.message)]) == 1
-    assert [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.action) for e in got_opt.events] \
-        == [(e.step, e.param, e.stage, e.nan_count, e.inf_count, e.action) for e in ref_opt.events]
-    for k in ("counts", "events", "scale", "clean_streak", "escalations", "ring_ptr", "ring_held"):
-        assert torch.equal(got_opt._get_resolution().tensors[k].cpu(), ref_opt._get_resolution().tensors[k].cpu()), k
+    _assert_records_match(ref_opt, got_opt)
 
 
 def _define(device, marks=()):

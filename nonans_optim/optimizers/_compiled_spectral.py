@@ -197,10 +197,6 @@ def _kernels(tag: str):
     return compiled(_pre, f"_spectral_pre_{tag}"), compiled(_post, f"_spectral_post_{tag}")
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if device.type == "cpu" else to_device(t, device)
-
-
 def _buckets(params: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], bool], ...]:
     """Same-shape matrices, in first-seen order: ((member positions), tall) per bucket — static per group,
     so it is a compile-time constant of both graphs."""
@@ -226,11 +222,11 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     steps = host_steps(states)
     mona = "mona" in comps
     # Built on the host and copied without blocking (a blocking host→device copy would synchronise).
-    first = _to(torch.tensor([s == 1 for s in steps]), device) if mona else None
-    hp_pre = _to(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
+    first = to_device(torch.tensor([s == 1 for s in steps]), device) if mona else None
+    hp_pre = to_device(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
                                group["mona_alpha"]], dtype=torch.float32), device)
     coef = group["sf_beta"] * (1 - c) - 1
-    hp_post = _to(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"],
+    hp_post = to_device(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"],
                                 group["weight_decay"], c, coef], dtype=torch.float32), device)
     bufs = [st["momentum_buffer"].view(s) for st, s in zip(states, shapes)]
     prevs = [st["mona_prev_grad"].view(s) for st, s in zip(states, shapes)] if mona else None
