@@ -33,7 +33,7 @@ BLOCK_P = 64  # parameters per loop iteration: a (64, 8) tile of int64 counts is
 def _record_kernel(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, SCALE, STREAK,
                    ESCALATIONS, NUMEL, step, P, K, backoff, min_scale, growth, window,
                    S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
-                   BLOCK_P: tl.constexpr):
+                   CONSUME: tl.constexpr, BLOCK_P: tl.constexpr):
     ptr = tl.load(RING_PTR)
     slot = ptr % K
     s = tl.arange(0, S_PAD)
@@ -47,6 +47,9 @@ def _record_kernel(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HE
         cell = p[:, None] * S + s[None, :]  # (parameter, stage) in a (P, S) block
         nan = tl.load(SC + 2 * cell, mask=m2, other=0)
         inf = tl.load(SC + 2 * cell + 1, mask=m2, other=0)
+        if CONSUME:  # leave the step's block zeroed for the next step (each tile is read only here)
+            tl.store(SC + 2 * cell, tl.zeros_like(nan), mask=m2)
+            tl.store(SC + 2 * cell + 1, tl.zeros_like(inf), mask=m2)
         stage_event = (nan + inf) > 0
         param_event = tl.max((stage_event & own[None, :]).to(tl.int32), axis=1) > 0
         ev = tl.load(EVENTS + cell, mask=m2, other=0)
@@ -83,9 +86,10 @@ def _record_kernel(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HE
 
 def record_step_(t: dict[str, torch.Tensor], step_counts: torch.Tensor, step: int, *, numel: torch.Tensor,
                  backoff: float, min_scale: float, growth_interval: int, repeat_window: int,
-                 loss_stage: int, grad_stage: int) -> None:
+                 loss_stage: int, grad_stage: int, consume: bool = False) -> None:
     """Fold one step's (P, S, 2) int64 ``step_counts`` into the Resolution tensors ``t`` in place: what
-    ``Resolution.record_step`` computes, in one launch. Every tensor must be contiguous and on one device."""
+    ``Resolution.record_step`` computes, in one launch. Every tensor must be contiguous and on one device.
+    ``consume``: also zero ``step_counts`` once read (``Resolution.count_block`` reuses it next step)."""
     P, S, _ = step_counts.shape
     K = t["ring_step"].shape[0]
     if P == 0:
@@ -98,4 +102,4 @@ def record_step_(t: dict[str, torch.Tensor], step_counts: torch.Tensor, step: in
     with on_device(step_counts):
         _record_kernel[(1,)](*args, int(step), P, K, float(backoff), float(min_scale), int(growth_interval),
                              int(repeat_window), S=S, S_PAD=triton.next_power_of_2(S), LOSS=loss_stage,
-                             GRAD=grad_stage, BLOCK_P=BLOCK_P, num_warps=4)
+                             GRAD=grad_stage, CONSUME=bool(consume), BLOCK_P=BLOCK_P, num_warps=4)

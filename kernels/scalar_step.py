@@ -12,7 +12,9 @@ Launches (no host synchronisation: every decision is read from device memory by 
 
 1. ``_stats_kernel`` (not under "off"): per block, the gradient's sum of squares and non-finite count.
    A decision that must precede any write needs them — the spike guard the norm, "skip" whether any
-   entry is bad, the hold rule whether every entry is. One read of g: 4 of the 32 bytes per fp32 entry.
+   entry is bad, the hold rule whether every entry is. One read of g: 4 of the 32 bytes per fp32 entry —
+   except under "repair" without the guard, where only a tensor that can be held (a recent event, and a
+   non-finite first entry) is read: a clean step pays the launch, not the bytes.
 2. ``_decide_kernel``, one program per tensor: adds its blocks' partials *in block order* (so the norm,
    and a triggered guard's scale, do not depend on scheduling), then the guard's scale and new EMA, the
    spike flag, and the hold / keep-all flags — into scratch only: the update kernel commits the EMA and
@@ -40,6 +42,7 @@ import triton.language as tl
 
 from nonans_optim._transfer import to_device
 from nonans_optim.functional.spike import SPIKE_BETA
+from nonans_optim.resolution import STAGES, RecentRule
 
 from ._cast import cast_rtne
 from ._elementwise import elementwise_block, kept_finite, policy_code
@@ -52,6 +55,7 @@ __all__ = ["scalar_step_", "scalar_step_reference_", "supported", "_stats_kernel
 _GRAD_NAN, _GRAD_INF, _MOMENT_INF = tl.constexpr(0), tl.constexpr(1), tl.constexpr(3)
 _UPDATE_NAN, _UPDATE_INF, _SPIKE, _ROW = tl.constexpr(6), tl.constexpr(7), tl.constexpr(11), tl.constexpr(12)
 _RBLOCK = 64 if interpreting() else 1024  # partials summed per iteration of the decide loop
+_S = len(STAGES)
 
 
 @triton.jit
@@ -116,29 +120,63 @@ def _count(cond, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, ALIGNED: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """SS[pid] = Σ g² over the finite entries (float64: finite for any finite entries; the guard's norm is
-    of the finite part, see functional/spike.py) and BAD[pid] = #non-finite g over this program's block."""
-    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
-    g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
-    idx = tl.arange(0, BLOCK)
-    if rem >= BLOCK:
-        g = _load(g_ptr, idx, idx < rem, False)
+def _recent(RECENT, STREAK, EVENTS, sel, window, RULE: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+            LOSS: tl.constexpr):
+    """The hold rule's "recent event" of global parameter ``sel`` (``Resolution.recent``): RULE, from the
+    counters STREAK (P,) and EVENTS (P, S) — an event on one of its own stages (all but LOSS) within
+    ``window`` steps, as ``resolution.RecentRule.flags`` computes it —, else the precomputed flags RECENT."""
+    if RULE:
+        stage = tl.arange(0, S_PAD)
+        own = (stage < S) & (stage != LOSS)
+        ev = tl.load(EVENTS + sel * S + stage, mask=own, other=0)
+        recent = (tl.load(STREAK + sel) < window) & (tl.max((ev > 0).to(tl.int32), axis=0) > 0)
     else:
-        g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
-    ok = _finite(g)
-    g64 = tl.where(ok, g, 0.0).to(tl.float64)
-    tl.store(SS + pid, tl.sum(g64 * g64, axis=0))
-    tl.store(BAD + pid, tl.sum((~ok).to(tl.int32), axis=0))
+        recent = tl.load(RECENT + sel) != 0
+    return recent
 
 
 @triton.jit
-def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, factor, beta,
-                   POLICY: tl.constexpr, GUARD: tl.constexpr, RBLOCK: tl.constexpr):
+def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, SEL, RECENT, STREAK, EVENTS, window,
+                  TY: tl.constexpr, ALIGNED: tl.constexpr, LAZY: tl.constexpr, RULE: tl.constexpr,
+                  S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr):
+    """SS[pid] = Σ g² over the finite entries (float64: finite for any finite entries; the guard's norm is
+    of the finite part, see functional/spike.py) and BAD[pid] = #non-finite g over this program's block.
+
+    LAZY ("repair" without the spike guard, where the statistics only serve the hold rule — every entry
+    bad on a parameter with a recent event): a block is read only when its tensor has a recent event and
+    a non-finite first entry; any other block reports 0 and 0, which decides the same (a tensor with one
+    finite entry is not held). So a clean step reads g once, in the update, not twice: 4 of the 32 bytes
+    per fp32 entry that this pass would cost a memory-bound step (the C loop's own rule, scalar_step.c)."""
+    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
+    g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
+    need = rem > 0
+    if LAZY:
+        first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)
+        need = _recent(RECENT, STREAK, EVENTS, tl.load(SEL + t), window, RULE, S, S_PAD, LOSS) & ~_finite(first)
+    ss = tl.zeros((), dtype=tl.float64)
+    nbad = tl.zeros((), dtype=tl.int32)
+    if need:
+        idx = tl.arange(0, BLOCK)
+        if rem >= BLOCK:
+            g = _load(g_ptr, idx, idx < rem, False)
+        else:
+            g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
+        ok = _finite(g)
+        g64 = tl.where(ok, g, 0.0).to(tl.float64)
+        ss = tl.sum(g64 * g64, axis=0)
+        nbad = tl.sum((~ok).to(tl.int32), axis=0)
+    tl.store(SS + pid, ss)
+    tl.store(BAD + pid, nbad)
+
+
+@triton.jit
+def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC, FLAGS_OUT, factor, beta,
+                   window, POLICY: tl.constexpr, GUARD: tl.constexpr, RULE: tl.constexpr, S: tl.constexpr,
+                   S_PAD: tl.constexpr, LOSS: tl.constexpr, RBLOCK: tl.constexpr):
     """Per tensor: the spike guard (functional/spike.py::spike_scale) and the hold / keep-all flags, into
     DEC (scale, new EMA) and FLAGS_OUT (bit 0 hold, 1 keep all, 2 spike). Writes nothing persistent: the
-    update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing."""
+    update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing.
+    The hold rule's "recent event": :func:`_recent`."""
     t = tl.program_id(0)
     b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
     acc = tl.zeros((RBLOCK,), dtype=tl.float64)
@@ -171,7 +209,8 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, DEC, FLAGS_OUT, fact
     keep_all = nbad < 0
     if POLICY != 0:  # a persistent whole-tensor loss: every entry bad, and an event within the window
         # (under "repair" and "skip", as the loop's _common.hold_flag: a held "skip" tensor counts no update)
-        hold = (tl.load(RECENT + sel) != 0) & (nbad.to(tl.int64) == tl.load(NUMEL + t))
+        recent = _recent(RECENT, STREAK, EVENTS, sel, window, RULE, S, S_PAD, LOSS)
+        hold = recent & (nbad.to(tl.int64) == tl.load(NUMEL + t))
     if POLICY == 2:
         keep_all = nbad > 0
     tl.store(DEC + 2 * t, scale)
@@ -328,7 +367,9 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
                  factor: float | None) -> None:
     """The group step of ``_compiled._group_kernel`` (same arguments): ``ms`` (AdamW) or ``zs``
     (schedule-free) hold the second state tensor, the other list Nones; ``res`` is None under "off", else
-    (scale, recent, norm EMA, dense counts) — the Resolution tensors, updated in place; ``sel`` the global
+    (scale, recent, norm EMA, dense counts) — the Resolution tensors, updated in place, where ``recent`` is
+    the (P,) flags or a ``resolution.RecentRule`` (the decide kernel then reads the counters itself, which
+    saves the host the five launches of evaluating it: what ``impl="fused"`` passes); ``sel`` the global
     parameter indices; ``bcs`` (n, 2) fp32 bias corrections, ``hp`` the seven fp32 hyperparameters,
     ``gamma`` the 0-d step size, all on the tensors' device. Nothing is read back to the host."""
     code = policy_code(policy)
@@ -356,14 +397,18 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
             scale, recent, ema, dense = res
             ss = torch.empty(nblocks, dtype=torch.float64, device=device)
             bad = torch.empty(nblocks, dtype=torch.int32, device=device)
-            _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, TY=ty, ALIGNED=aligned,
-                                      BLOCK=block, num_warps=warps)
             dec = torch.empty(n, 2, dtype=torch.float32, device=device)
             dec_flags = torch.empty(n, dtype=torch.int32, device=device)
-            rec = recent if recent is not None else dec_flags  # read under "repair" and "skip"
-            _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, rec, dec, dec_flags,
-                                 float(factor or 0.0), SPIKE_BETA,
-                                 POLICY=code, GUARD=factor is not None, RBLOCK=_RBLOCK, num_warps=1)
+            rule = isinstance(recent, RecentRule)
+            # the hold rule's inputs (a RecentRule's counters, or the flags; the others never read)
+            hold_in = ((dec_flags, recent.clean_streak, recent.events, recent.window) if rule
+                       else (recent, bad, bad, 0))
+            stages = dict(RULE=rule, S=_S, S_PAD=triton.next_power_of_2(_S), LOSS=recent.loss_stage if rule else 0)
+            _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, *hold_in, TY=ty, ALIGNED=aligned,
+                                      LAZY=code == 1 and factor is None, BLOCK=block, num_warps=warps, **stages)
+            _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, *hold_in[:3], dec, dec_flags,
+                                 float(factor or 0.0), SPIKE_BETA, hold_in[3], POLICY=code,
+                                 GUARD=factor is not None, RBLOCK=_RBLOCK, num_warps=1, **stages)
         dummy = bcs  # never dereferenced when GATE is off
         _update_kernel[(nblocks,)](
             addr, numel, first, owner, bcs, hp, gamma, *(dummy if x is None else x
@@ -374,7 +419,10 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
 
 def scalar_step_reference_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str,
                            decay_z: bool, factor: float | None) -> None:
-    """Pure-torch oracle of :func:`scalar_step_`: the compiled path's group function, run eagerly."""
+    """Pure-torch oracle of :func:`scalar_step_`: the compiled path's group function, run eagerly (a
+    ``RecentRule`` evaluated by its torch form)."""
     from nonans_optim.optimizers._compiled import _group_kernel
+    if res is not None and isinstance(res[1], RecentRule):
+        res = (res[0], res[1].flags(), *res[2:])
     _group_kernel(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, sf=sf, policy=policy, decay_z=decay_z,
                   factor=factor)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from . import kernels, native
 from ._transfer import to_device
 
-__all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "finite_mask", "storable_mask",
-           "inspect", "tensor_counts", "check_policy"]
+__all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "RecentRule", "finite_mask",
+           "storable_mask", "inspect", "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
 
@@ -148,6 +148,25 @@ class SingularityEvent:
     escalated: bool = False
 
 
+class RecentRule(NamedTuple):
+    """:meth:`Resolution.recent`, not yet evaluated: the counters it reads and its constants.
+
+    Why not the (P,) flags: evaluating them is five small torch ops (compare, compare, mask, any, and),
+    and on a GPU each costs the host a launch; a kernel that needs the flag of a few parameters — the
+    Triton (SF-)AdamW step's decide kernel — reads these counters itself instead. :meth:`flags` is the
+    torch form, the ground truth that kernel is tested against."""
+
+    clean_streak: torch.Tensor  # (P,) int64
+    events: torch.Tensor  # (P, S) int64
+    param_mask: torch.Tensor  # (S,) bool: PARAM_STAGES on the counters' device
+    window: int
+    loss_stage: int  # the one stage that is nobody's event (the kernel's form of param_mask)
+
+    def flags(self) -> torch.Tensor:
+        """(P,) bool: an event on one of the parameter's own stages within the last ``window`` steps."""
+        return (self.clean_streak < self.window) & ((self.events > 0) & self.param_mask).any(-1)
+
+
 class NativeArgs:
     """What :meth:`Resolution.native_args` caches: the pointers of the counters a native kernel reads and
     writes (``ema``, ``sel`` — the int64 global indices —, ``scale``, ``streak``, ``events``), ``pack`` (the
@@ -200,6 +219,10 @@ class Resolution:
         # load_state_dict — and each replacement bumps it.
         self._native_args: dict = {}
         self.generation = 0
+        # the step's dense count block, kept between steps (count_block): the Triton record zeroes it as it
+        # folds it in, which saves the zero-fill launch of a fresh block on every GPU step
+        self._count_block: torch.Tensor | None = None
+        self._count_block_dirty = False
         self._param_mask = to_device(torch.tensor(PARAM_STAGES), device)
         P, S, K = num_params, len(STAGES), ring_size
         # the parameters' sizes (not state: they are the model's), to tell a held step (no finite gradient
@@ -229,6 +252,20 @@ class Resolution:
         """0-d view of parameter ``index``'s step-size multiplier (1.0 unless escalated)."""
         return self.tensors["scale"][index]
 
+    def count_block(self, device: torch.device) -> torch.Tensor:
+        """A zeroed (P, S, 2) int64 block for one step's counts (``_common.dense_counts``), the same tensor
+        every step: zero-filled here unless the last step's Triton record left it zeroed (it clears the
+        block as it reads it). Anything else — the torch or C record, a step that raised before its record,
+        counts folded with eager ones into a new tensor — leaves it dirty, and the next step fills it."""
+        P, S = self.num_params, len(STAGES)
+        blk = self._count_block
+        if blk is None or blk.device != device or blk.shape[0] != P:
+            blk = self._count_block = torch.zeros(P, S, 2, dtype=torch.int64, device=device)
+        elif self._count_block_dirty:
+            blk.zero_()
+        self._count_block_dirty = True
+        return blk
+
     def recent(self) -> torch.Tensor:
         """(P,) bool: the parameter had an event within the last ``repeat_window`` steps (before this one).
 
@@ -236,15 +273,23 @@ class Resolution:
         overflows, say): the optimizers then hold the parameter instead of continuing from momentum, which
         measurably kept pushing a model further into fp16 overflow (bench workload 2: held-out CE 8.4 with
         continuation, 3.3 with the hold)."""
+        return self.recent_rule().flags()
+
+    def recent_rule(self) -> RecentRule:
+        """What :meth:`recent` computes, for a kernel that evaluates it itself (no torch op issued)."""
         t = self.tensors
-        return (t["clean_streak"] < self.repeat_window) & self._param_events(t["events"] > 0)
+        return RecentRule(t["clean_streak"], t["events"], self._stage_mask(t["events"].device), self.repeat_window,
+                          STAGE_INDEX["loss"])
+
+    def _stage_mask(self, device: torch.device) -> torch.Tensor:
+        """PARAM_STAGES as an (S,) bool tensor on ``device`` (moved once, after a load to another device)."""
+        if self._param_mask.device != device:
+            self._param_mask = to_device(torch.tensor(PARAM_STAGES), device)
+        return self._param_mask
 
     def _param_events(self, stage_flags: torch.Tensor) -> torch.Tensor:
         """(P,) any of a (P, S) bool over the parameter's own stages (all but "loss")."""
-        mask = self._param_mask
-        if mask.device != stage_flags.device:
-            mask = self._param_mask = to_device(torch.tensor(PARAM_STAGES), stage_flags.device)
-        return (stage_flags & mask).any(-1)
+        return (stage_flags & self._stage_mask(stage_flags.device)).any(-1)
 
     def record_step(self, step: int, step_counts: torch.Tensor, *, native: bool = False) -> None:
         """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state.
@@ -255,6 +300,8 @@ class Resolution:
         the ground truth both are tested against."""
         device = self.tensors["scale"].device
         if native and _record_on_triton(device) and self._record_triton(step, step_counts):
+            if step_counts is self._count_block:
+                self._count_block_dirty = False  # the kernel zeroed it behind its reads
             return
         if native and device.type == "cpu" and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
@@ -324,7 +371,7 @@ class Resolution:
             record_step_(self.tensors, step_counts.contiguous(), step, numel=self.numel, backoff=self.backoff,
                          min_scale=self.min_scale, growth_interval=self.growth_interval,
                          repeat_window=self.repeat_window, loss_stage=STAGE_INDEX["loss"],
-                         grad_stage=STAGE_INDEX["grad"])
+                         grad_stage=STAGE_INDEX["grad"], consume=step_counts is self._count_block)
         except Exception as err:  # noqa: BLE001 — a compile error, say: nothing was written; torch records
             _TRITON_RECORD_FAILED.append(f"{type(err).__name__}: {err}")
             warnings.warn(f"the Triton record kernel failed ({_TRITON_RECORD_FAILED[0][:300]}); recording "

@@ -172,16 +172,22 @@ def test_scalar_step_kernels(policy, param):
     ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
     table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
     if policy:
-        stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp64", BAD="*i32"),
-                                   dict(TY=ty, ALIGNED=True, BLOCK=2048), num_warps=8)
-        _binary_ok(stats)
-        assert re.search(r"ld\.global(\.\w+)*\.v[24]", stats.asm["ptx"]), "full blocks: vector loads"
+        for lazy, rule in ((False, False), (False, True), (True, True), (True, False)):
+            stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp64", BAD="*i32", SEL="*i64",
+                                                           RECENT="*i32" if rule else "*i1", STREAK="*i64",
+                                                           EVENTS="*i64", window="i64"),
+                                       dict(TY=ty, ALIGNED=True, LAZY=lazy, RULE=rule, S=6, S_PAD=8, LOSS=4,
+                                            BLOCK=2048), num_warps=8)
+            _binary_ok(stats)
+            assert re.search(r"ld\.global(\.\w+)*\.v[24]", stats.asm["ptx"]), "full blocks: vector loads"
         for guard in (False, True):
-            _binary_ok(compile_for_hopper(
-                _decide_kernel, dict(SS="*fp64", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32",
-                                     RECENT="*i1", DEC="*fp32", FLAGS_OUT="*i32",
-                                     factor="fp32", beta="fp32"),
-                dict(POLICY=policy, GUARD=guard, RBLOCK=1024), num_warps=1))
+            for rule in (False, True):  # the hold rule's recent flags given, or read from the counters
+                _binary_ok(compile_for_hopper(
+                    _decide_kernel, dict(SS="*fp64", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64",
+                                         EMA="*fp32", RECENT="*i32" if rule else "*i1", STREAK="*i64",
+                                         EVENTS="*i64", DEC="*fp32", FLAGS_OUT="*i32", factor="fp32", beta="fp32",
+                                         window="i64"),
+                    dict(POLICY=policy, GUARD=guard, RULE=rule, S=6, S_PAD=8, LOSS=4, RBLOCK=1024), num_warps=1))
     update_types = dict(table, BC="*fp32", HP="*fp32", GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DEC="*fp32",
                         DEC_FLAGS="*i32", EMA="*fp32", DENSE="*i64")
     for sf, decay_z in ((False, False), (True, False), (True, True)):
@@ -196,12 +202,15 @@ def test_scalar_step_kernels(policy, param):
 
 
 
-def test_record_kernel():
-    """The one-launch resolution record (kernels/record.py): int64 counters, bool ring bits, one program."""
+@pytest.mark.parametrize("consume", [False, True])
+def test_record_kernel(consume):
+    """The one-launch resolution record (kernels/record.py): int64 counters, bool ring bits, one program;
+    ``consume`` also zeroes the step's count block behind its reads."""
     from nonans_optim.kernels.record import BLOCK_P, _record_kernel
 
     types = dict(SC="*i64", COUNTS="*i64", EVENTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64", RING_ESC="*i1",
                  RING_HELD="*i1", RING_PTR="*i64", SCALE="*fp32", STREAK="*i64", ESCALATIONS="*i64",
                  NUMEL="*i64", step="i64", P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32",
                  window="i32")
-    _binary_ok(compile_for_hopper(_record_kernel, types, dict(S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P)))
+    _binary_ok(compile_for_hopper(_record_kernel, types,
+                                  dict(S=6, S_PAD=8, LOSS=4, GRAD=0, CONSUME=consume, BLOCK_P=BLOCK_P)))

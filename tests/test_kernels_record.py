@@ -74,11 +74,14 @@ def case_kernel_matches_torch_record(device):
         twin.tensors, twin.numel = want, res.numel
         twin.repeat_window, twin.growth_interval = res.repeat_window, res.growth_interval
         twin.record_step(step, sc)  # the torch record: native=False
+        consume, before = data.draw(st.booleans()), sc.clone()
         record_step_(res.tensors, sc, step, numel=res.numel, backoff=res.backoff, min_scale=res.min_scale,
                      growth_interval=res.growth_interval, repeat_window=res.repeat_window,
-                     loss_stage=STAGE_INDEX["loss"], grad_stage=STAGE_INDEX["grad"])
+                     loss_stage=STAGE_INDEX["loss"], grad_stage=STAGE_INDEX["grad"], consume=consume)
         for k, v in twin.tensors.items():
             assert torch.equal(res.tensors[k], v), k
+        # consume: the block is left zeroed for the next step (after it was read: the counters above)
+        assert torch.equal(sc, torch.zeros_like(sc) if consume else before)
     check()
 
 
@@ -107,6 +110,10 @@ def case_optimizers_record_through_the_kernel(device, monkeypatch):
     got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
     assert calls and not resolution._TRITON_RECORD_FAILED
     _assert_records_match(ref_opt, got_opt)
+    # the step's count block is reused: the kernel consumed (zeroed) it, so no step has to fill it
+    res = got_opt._resolution
+    assert res._count_block is not None and not res._count_block_dirty
+    assert not res._count_block.any()
 
 
 def case_failed_record_falls_back_to_torch(device, monkeypatch):

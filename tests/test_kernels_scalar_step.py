@@ -69,7 +69,7 @@ def _case(device, dtype, seed=0):
 def _step(fn, case, *, sf, policy, factor, upcast=False, copy=torch.clone):
     ps, gs, ms, vs, res, sel, bcs, hp, gamma = case
     ps, gs, ms, vs = ([copy(t).float() if upcast else copy(t) for t in x] for x in (ps, gs, ms, vs))
-    res = None if policy == "off" else tuple(t.clone() for t in res)
+    res = None if policy == "off" else tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in res)
     nones = [None] * len(ps)
     fn(ps, gs, nones if sf else ms, vs, ms if sf else nones, gamma, res, None if res is None else sel, bcs, hp,
        sf=sf, policy=policy, decay_z=sf, factor=factor)
@@ -103,6 +103,67 @@ def case_kernel_matches_oracle(device, sf, policy, factor, dtype):
     assert dense_got[3, 5, 1] == (1 if factor else 0)  # the spike
     if policy == "repair":  # the whole-tensor loss with a recent event: held, so the value is unchanged
         assert torch.equal(got[0][3], case[0][3])
+
+
+def case_recent_from_the_counters(device, policy, loss_only):
+    """The decide kernel evaluating the hold rule's "recent event" itself from the counters (the
+    ``RecentRule`` that impl="fused" passes) — as ``RecentRule.flags`` does: an event on one of the
+    parameter's own stages within the window. Parameter 4 (sel) has an all-NaN gradient: held when its
+    last event was a gradient event two steps ago, not when its only events are "loss" events (the stage
+    that is nobody's); parameter 2's event is older than the window."""
+    from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
+    from nonans_optim.resolution import STAGE_INDEX, PARAM_STAGES, RecentRule
+
+    ps, gs, ms, vs, res, sel, bcs, hp, gamma = _case(device, torch.float32)
+    P = res[0].shape[0]
+    events = torch.zeros(P, 6, dtype=torch.int64, device=device)
+    events[4, STAGE_INDEX["loss" if loss_only else "grad"]] = 3
+    events[2, STAGE_INDEX["update"]] = 1
+    events[1, STAGE_INDEX["loss"]] = 1
+    streak = torch.tensor([0, 0, 50, 0, 2, 0], device=device)
+    rule = RecentRule(streak, events, torch.tensor(PARAM_STAGES, device=device), 10, STAGE_INDEX["loss"])
+    assert rule.flags().tolist() == [False, False, False, False, not loss_only, False]
+    case = (ps, gs, ms, vs, (res[0], rule, *res[2:]), sel, bcs, hp, gamma)
+    got = _step(scalar_step_, case, sf=False, policy=policy, factor=None)
+    want = _step(scalar_step_reference_, case, sf=False, policy=policy, factor=None)
+    for a, b in zip(got[0] + got[1] + got[2], want[0] + want[1] + want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[3][3], want[3][3])
+    if policy == "repair":  # ("skip" keeps the tensor whole either way; the counts above tell them apart)
+        held = torch.equal(got[0][3], ps[3])
+        assert held == (not loss_only), "hold exactly when the all-NaN parameter had a gradient event recently"
+
+
+def case_lazy_statistics_read_only_what_can_be_held(device):
+    """Under "repair" without the guard the statistics pass reads a tensor only when it can be held (a
+    recent event and a non-finite first entry): the others report 0 bad entries even where they have
+    some — the bytes a clean step does not read. With LAZY off every block is counted."""
+    import triton
+    import triton.language as tl
+
+    from nonans_optim.kernels._elementwise import elementwise_block
+    from nonans_optim.kernels.scalar_step import _S, _layout, _stats_kernel
+
+    ps, gs, ms, vs, res, sel, bcs, hp, gamma = _case(device, torch.float32)
+    gs[2][0] = float("nan")  # a bad first entry, but parameter 3 has no recent event
+    recent = torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool, device=device)  # by global index (sel = 1..4)
+    block, warps = elementwise_block()
+    numel, first, owner, nblocks = _layout(tuple(g.numel() for g in gs), block, str(device))
+    addr = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()]
+                         for p, g, m, v in zip(ps, gs, ms, vs)], dtype=torch.int64, device=device)
+    counted = {}
+    for lazy in (False, True):
+        ss = torch.empty(nblocks, dtype=torch.float64, device=device)
+        bad = torch.empty(nblocks, dtype=torch.int32, device=device)
+        _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, recent, bad, bad, 0, TY=tl.float32,
+                                  ALIGNED=False, LAZY=lazy, RULE=False, S=_S, S_PAD=triton.next_power_of_2(_S),
+                                  LOSS=0, BLOCK=block, num_warps=warps)
+        counted[lazy] = [int(bad[first[i]:first[i + 1]].sum()) for i in range(len(gs))]
+    truth = [int((~torch.isfinite(g)).sum()) for g in gs]
+    assert counted[False] == truth
+    # 0: first entry finite; 1: recent, bad first entry (counted, not all bad); 2: bad first entry, not
+    # recent; 3: recent and all NaN (the one that is held)
+    assert counted[True] == [0, truth[1], 0, truth[3]]
 
 
 def case_unaligned_views(device):
@@ -224,6 +285,16 @@ def _define(device, marks=()):
         case_kernel_matches_oracle(device, sf, policy, factor, dtype)
 
     @mark
+    @pytest.mark.parametrize("loss_only", [False, True], ids=["grad-event", "loss-event"])
+    @pytest.mark.parametrize("policy", ["repair", "skip"])
+    def test_recent_from_the_counters(policy, loss_only):
+        case_recent_from_the_counters(device, policy, loss_only)
+
+    @mark
+    def test_lazy_statistics_read_only_what_can_be_held():
+        case_lazy_statistics_read_only_what_can_be_held(device)
+
+    @mark
     def test_unaligned_views():
         case_unaligned_views(device)
 
@@ -253,13 +324,79 @@ def _define(device, marks=()):
         case_skip_holds_as_the_loop_does(device, cls, monkeypatch)
 
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
-            test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does)
+            test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
+            test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held)
+
+
+# ops that launch nothing on a GPU (allocation, views, metadata)
+_NO_LAUNCH = ("aten.empty", "aten.new_empty", "aten.empty_strided", "aten.view", "aten._to_copy", "aten.detach",
+              "aten.select", "aten.slice", "aten.alias", "aten.lift_fresh", "aten.unsqueeze", "aten.expand",
+              "aten.as_strided", "aten.reshape", "aten._unsafe_view", "aten.t.", "profiler.")
+
+
+def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
+    """What "repair" asks of the host beyond "off" on this path, counted (under the interpreter, the CPU's
+    stand-in for a GPU's launches): the statistics, decide and record kernels and not one torch op — the
+    hold rule's recent flags are read from the counters in the decide kernel and the count block is
+    reused, zeroed by the record kernel (each was a host-issued launch per step: an H100 sync-audit
+    counted 12 launches per AdamW repair step against 3 under "off" before). Ops the interpreter itself
+    issues while it runs a kernel are not counted."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    launches, inside = Counter(), []
+    real = interpreter.InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        launches[self.fn.__name__] += 1
+        inside.append(1)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if not inside and not name.startswith(_NO_LAUNCH):
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    _force_triton(monkeypatch)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
+    for cls in (no.AdamW, no.SFAdamW):
+        opt = cls(params, lr=1e-3, impl="fused")
+        seen = {}
+        for policy in ("repair", "off", "repair"):  # (the first steps build state and the count block)
+            opt.resolution_policy = policy
+            for q in params:
+                q.grad = torch.randn_like(q)
+            opt.step()
+            launches.clear()
+            with Ops() as ops:
+                opt.step()
+            seen[policy] = (ops.ops, Counter(launches))
+        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+        assert rep_ops == off_ops, (rep_ops, off_ops)
+        assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
 
 
 if INTERPRETED:
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+    def test_repair_adds_only_the_three_resolution_launches(monkeypatch):
+        case_repair_adds_only_the_three_resolution_launches(monkeypatch)
+
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
-     test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does) = _define("cpu")
+     test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
+     test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -288,7 +425,8 @@ else:
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
      test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
-     test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does) = _define("cuda", marks=gpu)
+     test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does,
+     test_gpu_recent_from_the_counters, test_gpu_lazy_statistics_read_only_what_can_be_held) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

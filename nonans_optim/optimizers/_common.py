@@ -7,7 +7,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .._checkpoint import GLOBAL_KEY
-from ..resolution import STAGE_INDEX, STAGES, inspect
+from ..resolution import STAGE_INDEX, inspect
 
 __all__ = ["check_sizes", "record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
            "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
@@ -31,8 +31,7 @@ def dense_counts(ctx: dict[str, Any], device: torch.device) -> torch.Tensor:
     """This step's dense (P, S, 2) count block, created on first use. The compiled kernels add a whole
     group's counts into it with one op, where :func:`record` costs a few host-side ops per tensor."""
     if ctx["dense"] is None:
-        P = ctx["resolution"].num_params
-        ctx["dense"] = torch.zeros(P, len(STAGES), 2, dtype=torch.int64, device=device)
+        ctx["dense"] = ctx["resolution"].count_block(device)
     return ctx["dense"]
 
 

@@ -248,31 +248,33 @@ def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: t
     return to_device(hp, device), to_device(bcs, device)
 
 
-def resolution_args(ctx: dict[str, Any], indices: list[int], device: torch.device):
-    """(sel, res tuple, spike factor) for a kernel call; (None, None, None) under "off"."""
+def resolution_args(ctx: dict[str, Any], indices: list[int], device: torch.device, *, recent_rule: bool = False):
+    """(sel, res tuple, spike factor) for a kernel call; (None, None, None) under "off". ``recent_rule``:
+    the hold rule's "recent event" as a ``RecentRule`` for a kernel that evaluates it (not the flags)."""
     from ._common import dense_counts, recent_flags
     res = ctx["resolution"]
     if res is None:
         return None, None, None
     t = res.tensors
     sel = ctx["device_indices"](indices, t["scale"].device)
-    return sel, (t["scale"], recent_flags(ctx), t["grad_norm_ema"], dense_counts(ctx, device)), ctx["spike_factor"]
+    recent = res.recent_rule() if recent_rule else recent_flags(ctx)
+    return sel, (t["scale"], recent, t["grad_norm_ema"], dense_counts(ctx, device)), ctx["spike_factor"]
 
 
 def group_kernel_args(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                       indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
-                      gamma: torch.Tensor, c: float) -> tuple:
+                      gamma: torch.Tensor, c: float, recent_rule: bool = False) -> tuple:
     """The positional arguments of :func:`_group_kernel` — and of ``kernels.scalar_step.scalar_step_``,
     which shares its signature — for one step: (params, grads, ms, vs, zs, gamma, res, sel, bcs, hp), with
     ``ms`` or ``zs`` (schedule-free) the second state tensor and the other list Nones. Advances every
     ``state['step']`` (the bias corrections need the new count); a caller whose kernel then fails puts
-    them back."""
+    them back. ``recent_rule``: see :func:`resolution_args` (the Triton kernels take it)."""
     device = params[0].device
     hp, bcs = _host_scalars(group, host_steps(states), c, device, sf, gamma.dtype)
     ms = [None if sf else st["exp_avg"] for st in states]
     zs = [st["z"] if sf else None for st in states]
     vs = [st["exp_avg_sq"] for st in states]
-    sel, res, _ = resolution_args(ctx, indices, device)
+    sel, res, _ = resolution_args(ctx, indices, device, recent_rule=recent_rule)
     return params, grads, ms, vs, zs, gamma, res, sel, bcs, hp
 
 

@@ -62,7 +62,8 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     check_sizes(sizes, "z" if sf else "exp_avg", seconds)
     check_sizes(sizes, "exp_avg_sq", vs)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
-    args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma.float(), c=c)
+    args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma.float(), c=c,
+                             recent_rule=True)
     try:
         k.scalar_step_(*args, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
                        factor=ctx["spike_factor"])
