@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["GPTConfig", "TinyGPT", "build_gpt", "synthetic_grads", "ns5_flops", "hidden_matrices",
-           "QUICK", "DEFAULT", "count_params", "random_batch"]
+           "QUICK", "DEFAULT", "GPT2_SMALL", "MODELS", "count_params", "random_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,10 @@ class GPTConfig:
 
 DEFAULT = GPTConfig()
 QUICK = GPTConfig(d=32, layers=1, heads=2, vocab=64, ctx=16)
+# GPT-2 small's shape (Radford et al. 2019; vocab padded to 50304 as in nanoGPT): ≈124M parameters, for
+# judging a GPU target on a model whose training step is not dominated by launch overhead, as DEFAULT's is
+GPT2_SMALL = GPTConfig(d=768, layers=12, heads=12, vocab=50304, ctx=1024)
+MODELS = {"default": DEFAULT, "gpt2-small": GPT2_SMALL}
 
 
 class _Block(nn.Module):

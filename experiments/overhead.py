@@ -37,7 +37,7 @@ import torch
 
 import nonans_optim as no
 from nonans_optim.optimizers._fused import auto_choice
-from experiments._models import DEFAULT, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
+from experiments._models import MODELS, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
 from experiments.overhead_controls import build_optimizer, fresh_controls, spread, switched
 from experiments.overhead_controls import render as render_controls
 from experiments.questions_io import publish
@@ -122,13 +122,13 @@ def _inner(args, seconds: float) -> int:
     return max(args.inner, math.ceil(args.sample_ms * 1e-3 / max(seconds, 1e-9)))
 
 
-def _interleave_pairs(arms: dict[str, Callable], args, device) -> tuple[dict[str, list[float]], dict[str, int]]:
+def _interleave_pairs(arms: dict[str, Callable], names: list[str], args,
+                      device) -> tuple[dict[str, list[float]], dict[str, int]]:
     """interleaved() with each optimizer's repair/off arms kept adjacent (the rotation moves whole pairs,
     and which of the two runs first alternates with the round). Each sample times ``inner`` calls back to
     back: at least ``args.inner``, and enough for about ``args.sample_ms`` (from the last warm-up call), so
     a 2 ms step is not timed one call at a time against a shared machine's jitter. Returns the seconds
-    per call and the inner count of each optimizer."""
-    names = list(OPTIMIZERS)
+    per call and the inner count of each optimizer (``names``: the rows, in order)."""
     out: dict[str, list[float]] = {k: [] for k in arms}
     inner: dict[str, int] = {}
     for name in names:
@@ -193,24 +193,24 @@ def run(args) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device if args.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg: GPTConfig = QUICK if args.quick else DEFAULT
+    cfg: GPTConfig = QUICK if args.quick else MODELS[args.model]
+    # --defaults: only each optimizer as constructed by default (what a GPU-sized model has time for)
+    names = list(default_rows(auto_runs(device)) if args.defaults else OPTIMIZERS)
     machine = machine_info()
     base = build_gpt(cfg, device=device)
     grads = synthetic_grads(base)
     batch = random_batch(cfg, args.batch, device=device)
     t0 = time.perf_counter()
-    ctrl = _controls(args, device)  # in fresh processes of their own
-    step_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items()
-                 for p, arm in _step_arms(base, grads, make).items()}
-    step_times, step_inner = _interleave_pairs(step_arms, args, device)
+    ctrl = [] if args.defaults else _controls(args, device)  # in fresh processes of their own
+    step_arms = {f"{n} | {p}": arm for n in names for p, arm in _step_arms(base, grads, OPTIMIZERS[n]).items()}
+    step_times, step_inner = _interleave_pairs(step_arms, names, args, device)
     del step_arms
-    train_arms = {f"{n} | {p}": arm for n, make in OPTIMIZERS.items()
-                  for p, arm in _train_arms(base, batch, make).items()}
-    train_times, train_inner = _interleave_pairs(train_arms, args, device)
-    sweep = _size_sweep(args, device)
+    train_arms = {f"{n} | {p}": arm for n in names for p, arm in _train_arms(base, batch, OPTIMIZERS[n]).items()}
+    train_times, train_inner = _interleave_pairs(train_arms, names, args, device)
+    sweep = [] if args.defaults else _size_sweep(args, device)
     machine["loadavg_end"] = list(os.getloadavg())
     rows = []
-    for name in OPTIMIZERS:
+    for name in names:
         opt_row, train_row = _paired(step_times, name), _paired(train_times, name)
         rows.append({"optimizer": name, "step": opt_row, "train_step": train_row,
                      # the step's extra cost as a share of a whole training step
@@ -219,9 +219,11 @@ def run(args) -> dict[str, Any]:
     gpu = device.type == "cuda"
     limit = {"step": None if gpu else 1.02, "train_share": 0.003 if gpu else None}
     return {"command": "python -m experiments overhead" + (" --quick" if args.quick else "") +
-            (" --device cuda" if gpu else "") + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else ""),
+            (" --device cuda" if gpu else "") + (f" --model {args.model}" if args.model != "default" else "") +
+            (" --defaults" if args.defaults else "") + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else ""),
             "machine": machine, "device": torch.cuda.get_device_name() if gpu else "cpu",
-            "model": {**vars(cfg), "batch": args.batch},
+            "model": {**vars(cfg), "batch": args.batch, "name": "quick" if args.quick else args.model,
+                      "params": sum(p.numel() for p in base.parameters())},
             "settings": {"rounds": args.rounds, "warmup": args.warmup, "inner": args.inner,
                          "sample_ms": args.sample_ms, "inner_step": step_inner, "inner_train_step": train_inner,
                          "wall_s": time.perf_counter() - t0, "design": "same tensors"},
@@ -270,7 +272,9 @@ def render(data: dict[str, Any]) -> str:
     lines = [f"Command: `{data['command']}` (JSON: `{json_path}`), measured {m['date']} on "
              f"{where}, torch {m['torch']}; load average {m['loadavg_start'][0]:.1f} → "
              f"{m['loadavg_end'][0]:.1f}.",
-             f"Clean steps only. GPT-like d={data['model']['d']}, {data['model']['layers']} layers, batch "
+             f"Clean steps only. GPT-like d={data['model']['d']}, {data['model']['layers']} layers"
+             + (f" ({data['model']['params'] / 1e6:.1f}M parameters)" if "params" in data["model"] else "")
+             + f", batch "
              f"{data['model']['batch']}×{data['model']['ctx']} tokens; {s['warmup']} warm-up, {s['rounds']} "
              f"interleaved rounds; each sample times enough steps back to back for about {s['sample_ms']:g} ms "
              f"(optimizer step: {min(s['inner_step'].values())}–{max(s['inner_step'].values())} steps; training "
@@ -315,14 +319,15 @@ def render(data: dict[str, Any]) -> str:
     rest = [r for r in data["rows"] if r["optimizer"] not in defaults]
     if gpu:
         lines.append("\nTarget (GPU): repair overhead ≤ 0.3% of a training step. "
-                     + (f"**Each optimizer as constructed by default**: {verdict(ours)}. Other rows: "
-                        f"{verdict(rest)}." if ours else f"{verdict(data['rows'])}."))
+                     + (f"**Each optimizer as constructed by default**: {verdict(ours)}."
+                        + (f" Other rows: {verdict(rest)}." if rest else "") if ours else f"{verdict(data['rows'])}."))
     else:
         lines.append("\nTarget (CPU): repair ≤ +2% of the optimizer step (paired median; rows marked \"controls\": "
                      "the same-tensor controls below, over fresh processes). "
                      + (f"**Each optimizer as constructed by default** (the impl auto runs here, the default "
-                        f"spike guard): {verdict(ours)}. Other rows (non-default impl or guard setting): "
-                        f"{verdict(rest)}." if ours else f"{verdict(data['rows'])}.")
+                        f"spike guard): {verdict(ours)}."
+                        + (f" Other rows (non-default impl or guard setting): {verdict(rest)}." if rest else "")
+                        if ours else f"{verdict(data['rows'])}.")
                      + " No GPU in this run: the GPU target (≤ 0.3% of a training step) was not measured.")
     if "auto_runs" in data:
         guard = ", ".join(f"{k.partition(' (')[0]}: {'None' if v is None else f'{v:g}'}"
@@ -365,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-ms", type=float, default=None,
                     help="time enough steps per sample for about this long (default 25; --quick 0)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--model", default="default", choices=sorted(MODELS),
+                    help="the GPT's shape: 'default' (d=256, 4 layers) or 'gpt2-small' (≈124M parameters, for "
+                    "judging the GPU target on a training step that is not launch-bound); its own JSON and section")
+    ap.add_argument("--defaults", action="store_true",
+                    help="only each optimizer as constructed by default (impl='auto'), no size sweep or controls")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     ap.add_argument("--out", default=None, help="JSON path (default results/overhead.json, on a GPU "
@@ -373,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true", help="re-render RESULTS.md from the JSON at --out")
     args = ap.parse_args(argv)
     if args.render_only:
-        out = Path(args.out) if args.out else ROOT / "results" / "overhead.json"
+        out = Path(args.out) if args.out else ROOT / "results" / _json_name(args.device == "cuda", args.model)
         _publish(json.loads(out.read_text()), out, args.results_md)
         return 0
     args.rounds = args.rounds or (2 if args.quick else ROUNDS)
@@ -382,19 +392,29 @@ def main(argv: list[str] | None = None) -> int:
         args.sample_ms = 0.0 if args.quick else 25.0
     data = run(args)
     gpu = data["device"] != "cpu"
-    out = Path(args.out) if args.out else ROOT / "results" / ("overhead_cuda.json" if gpu else "overhead.json")
+    out = Path(args.out) if args.out else ROOT / "results" / _json_name(gpu, data["model"]["name"])
     data["json"] = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)
     _publish(data, out, args.results_md)
     return 0
 
 
 def section(data: dict[str, Any]) -> str:
-    """The RESULTS.md section a run's JSON belongs in: a GPU run has its own, so the CPU table stays."""
-    return "overhead-gpu" if data.get("device", "cpu") != "cpu" else "overhead"
+    """The RESULTS.md section a run's JSON belongs in: a GPU run has its own, so the CPU table stays, and so
+    does a run on another model (``--model``)."""
+    name = data.get("model", {}).get("name", "default")
+    return ("overhead-gpu" if data.get("device", "cpu") != "cpu" else "overhead") + \
+        ("" if name in ("default", "quick") else f"-{name}")
+
+
+def _json_name(gpu: bool, model: str) -> str:
+    """results/ file of a run: overhead[_cuda][_MODEL].json (the default and --quick models: no suffix)."""
+    return "overhead" + ("_cuda" if gpu else "") + ("" if model in ("default", "quick") else f"_{model}") + ".json"
 
 
 def _publish(data: dict[str, Any], out: Path, results_md: str) -> None:
     """The JSON to ``out`` and the table into RESULTS.md's CPU or GPU section (a run, or --render-only)."""
-    gpu = section(data) == "overhead-gpu"
-    title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + " (issue 3)"
+    gpu = data.get("device", "cpu") != "cpu"
+    name = data["model"].get("name", "default")
+    title = ("Resolution overhead on clean steps" + (", GPU" if gpu else "") +
+             ("" if name in ("default", "quick") else f", {name}") + " (issue 3)")
     publish(data, out, render(data), results_md, section(data), title)

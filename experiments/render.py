@@ -36,6 +36,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "step-time": ("step_time.json", "experiments.step_time:render"),
     "overhead": ("overhead.json", "experiments.overhead:render"),
     "overhead-gpu": ("overhead_cuda.json", "experiments.overhead:render"),
+    "overhead-gpu-gpt2-small": ("overhead_cuda_gpt2-small.json", "experiments.overhead:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
     "spikes": ("spikes.json", "experiments.spikes:render"),
     "momentum-dtype": ("momentum_dtype.json", "experiments.momentum_dtype:render"),
@@ -59,7 +60,7 @@ def _renderable(section: str, data: dict[str, Any] | None) -> bool:
         return False
     if section == "kernels":
         return not data.get("dry_run", True)  # a dry run's timings mean nothing
-    if section in ("overhead", "overhead-gpu"):
+    if section.startswith("overhead"):
         from experiments.overhead import section as overhead_section
         return overhead_section(data) == section
     return True

@@ -16,10 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(command: str, tmp_path: Path) -> dict:
+def _run(command: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"{command}.json"
     proc = subprocess.run([sys.executable, "-m", "experiments", command, "--quick", "--out", str(out),
-                           "--results-md", ""], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--results-md", "", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -107,6 +107,37 @@ def test_overhead_quick(tmp_path):
     verdicts = section.split("Same-tensor check of the target")[1]
     assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d% (?:met|MISSED)", verdicts)) == 2  # one verdict per row
     assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
+
+
+def test_overhead_defaults_only(tmp_path):
+    """--defaults: each optimizer as constructed by default and nothing else (no sweep, no controls) — the
+    run a GPU-sized model has time for; the command line says so."""
+    data = _run("overhead", tmp_path, "--defaults")
+    assert [r["optimizer"] for r in data["rows"]] == list(data["default_rows"])
+    assert len(data["rows"]) == 5 and data["size_sweep"] == [] and data["controls"] == []
+    assert "--defaults" in data["command"] and data["model"]["name"] == "quick"
+    assert data["model"]["params"] > 0
+
+
+def test_overhead_model_flag_has_its_own_json_and_section():
+    """--model gpt2-small is GPT-2 small's shape (≈124M parameters, built here on the meta device), and its
+    run publishes to a JSON and a RESULTS.md section of its own, so the default model's tables stay."""
+    import torch
+
+    from experiments import render
+    from experiments._models import MODELS, TinyGPT
+    from experiments.overhead import _json_name, section
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in TinyGPT(MODELS["gpt2-small"]).parameters())
+    assert 123e6 < n < 126e6
+    gpu = {"device": "NVIDIA H100", "model": {"name": "gpt2-small"}}
+    assert section(gpu) == "overhead-gpu-gpt2-small" and _json_name(True, "gpt2-small") == "overhead_cuda_gpt2-small.json"
+    assert render.SECTIONS[section(gpu)][0] == _json_name(True, "gpt2-small")
+    for name in ("default", "quick"):  # the tables published so far keep their places
+        assert section({"device": "cpu", "model": {"name": name}}) == "overhead"
+        assert section({"device": "NVIDIA H100", "model": {"name": name}}) == "overhead-gpu"
+    assert section({"device": "cpu", "model": {}}) == "overhead" and _json_name(False, "default") == "overhead.json"
 
 
 def test_overhead_rows_pair_repair_and_off_on_one_optimizer():
