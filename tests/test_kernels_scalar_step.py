@@ -388,8 +388,23 @@ def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
         assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
 
 
+def case_supported_takes_one_dtype_contiguous_group(device):
+    """What one launch can take: a single floating dtype the kernels implement, contiguous tensors."""
+    from nonans_optim.kernels.scalar_step import supported
+
+    a, b = torch.randn(6, 4, device=device), torch.randn(5, device=device)
+    assert supported([a, b])
+    assert supported([a.bfloat16(), b.bfloat16()])
+    assert not supported([a, b.bfloat16()])  # mixed dtypes: the compiled path
+    assert not supported([a, a.t()])  # strided
+    assert not supported([a.double(), b.double()])  # no fp64 kernel
+
+
 if INTERPRETED:
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+    def test_supported_takes_one_dtype_contiguous_group():
+        case_supported_takes_one_dtype_contiguous_group("cpu")
 
     def test_repair_adds_only_the_three_resolution_launches(monkeypatch):
         case_repair_adds_only_the_three_resolution_launches(monkeypatch)
@@ -401,6 +416,10 @@ else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
         assert_interpreted_suite_passes(__file__, timeout=600)
+
+    def test_cpu_tensors_are_not_supported_without_the_interpreter():
+        from nonans_optim.kernels.scalar_step import supported
+        assert not supported([torch.randn(3), torch.randn(2)])
 
     def test_backend_choice(monkeypatch):
         from nonans_optim.optimizers._fused_triton import backend
