@@ -93,3 +93,20 @@ def test_fallback_to_foreach_when_compile_fails(monkeypatch):
     for p, q in zip(ref, got):
         assert torch.equal(p, q)
         assert torch.equal(got_opt.state[q]["step"], ref_opt.state[p]["step"])
+
+
+def test_host_steps_advance_like_torch_add():
+    """The step counters the compiled and Triton paths advance through their addresses: the same values as
+    torch's in-place add (counts where fp32 rounds, 2^24 and past it, included), the tensors themselves
+    updated and their version counters bumped; a float64 counter takes torch's foreach add."""
+    from nonans_optim.optimizers._compiled import host_steps
+
+    starts = [0.0, 7.0, 2.0 ** 24 - 1, 2.0 ** 24, 2.0 ** 24 + 2, 3.0e7, 1.0e9]
+    for dtype in (torch.float32, torch.float64):
+        states = [{"step": torch.tensor(s, dtype=dtype)} for s in starts]
+        want = [torch.tensor(s, dtype=dtype).add_(1.0) for s in starts]
+        versions = [st["step"]._version for st in states]
+        got = host_steps(states)
+        assert got == [float(w) for w in want]
+        assert all(torch.equal(st["step"], w) for st, w in zip(states, want))
+        assert all(st["step"]._version > v for st, v in zip(states, versions))

@@ -43,11 +43,13 @@ reported with a warning and every later step takes the ``foreach`` implementatio
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import warnings
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .._transfer import to_device
 from ..functional.spike import spike_scale
@@ -231,10 +233,34 @@ def report_failure(err: Exception) -> None:
 
 
 def host_steps(states: list[dict]) -> list[float]:
-    """Advance every ``state['step']`` (CPU tensors: no device sync) and return the new values."""
+    """Advance every ``state['step']`` (CPU tensors: no device sync) and return the new values.
+
+    Why not ``torch._foreach_add_``: on 0-d CPU tensors it dispatches one add per tensor, and with the
+    reads back that cost about 95 us per step for a 52-tensor model on this project's CPU — a fifth of the
+    host time of a whole Triton AdamW step, on GPUs where that step is host-bound. The common case (fp32
+    scalars in host memory, torch's own convention) is advanced in place through their addresses instead
+    (about 15 us), in double arithmetic rounded once to fp32 — fp32's own x + 1 for every count below
+    2^53 — and their version counters are bumped as an in-place op would; anything else takes foreach."""
     steps = [st["step"] for st in states]
-    torch._foreach_add_(steps, 1.0)
-    return [float(s) for s in steps]
+    cells = _step_cells(steps)
+    if cells is None:
+        torch._foreach_add_(steps, 1.0)
+        return [float(s) for s in steps]
+    out = []
+    for cell in cells:
+        cell.value += 1.0
+        out.append(cell.value)
+    increment_version(steps)
+    return out
+
+
+def _step_cells(steps: list[torch.Tensor]) -> list[ctypes.c_float] | None:
+    """ctypes views of one-element fp32 CPU step tensors, or None unless every one is such a tensor with
+    storage of its own (not a fake or wrapper tensor, whose address is 0, nor one autograd tracks)."""
+    if not all([s.is_cpu and s.dtype is torch.float32 and s.numel() == 1 and not s.requires_grad for s in steps]):
+        return None
+    addresses = [s.data_ptr() for s in steps]
+    return None if 0 in addresses else [ctypes.c_float.from_address(a) for a in addresses]
 
 
 def _host_scalars(group: dict[str, Any], steps: list[float], c: float, device: torch.device, sf: bool,
