@@ -53,8 +53,9 @@ CARRIED = ("_impl", "_policy", "_spike_factor", "_pending_loss", "_training",
 
 def needs_init(st: dict) -> bool:
     """True when a parameter's state has none of its own entries yet (the carrier's may hold only the
-    optimizer-level dict)."""
-    return not st or st.keys() <= {GLOBAL_KEY}
+    optimizer-level dict). Every path's state has a ``step``: that one lookup answers the steady state,
+    asked once per parameter per step."""
+    return "step" not in st and (not st or st.keys() <= {GLOBAL_KEY})
 
 
 def copy_to(x: Any, device: torch.device) -> Any:
