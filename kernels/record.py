@@ -97,9 +97,10 @@ def record_step_(t: dict[str, torch.Tensor], step_counts: torch.Tensor, step: in
     names = ("counts", "events", "ring_counts", "ring_step", "ring_escalated", "ring_held", "ring_ptr", "scale",
              "clean_streak", "escalations")
     args = [step_counts] + [t[k] for k in names] + [numel]
-    if not all(a.is_contiguous() and a.device == step_counts.device for a in args):
+    index = step_counts.get_device()  # (an int: comparing torch.device objects costs more, every step)
+    if not (all([a.is_contiguous() for a in args]) and all([a.get_device() == index for a in args])):
         raise ValueError("record_step_ needs contiguous tensors on one device")
     with on_device(step_counts):
         _record_kernel[(1,)](*args, int(step), P, K, float(backoff), float(min_scale), int(growth_interval),
-                             int(repeat_window), S=S, S_PAD=triton.next_power_of_2(S), LOSS=loss_stage,
+                             int(repeat_window), S=S, S_PAD=1 << (S - 1).bit_length(), LOSS=loss_stage,
                              GRAD=grad_stage, CONSUME=bool(consume), BLOCK_P=BLOCK_P, num_warps=4)

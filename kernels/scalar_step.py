@@ -56,6 +56,8 @@ _GRAD_NAN, _GRAD_INF, _MOMENT_INF = tl.constexpr(0), tl.constexpr(1), tl.constex
 _UPDATE_NAN, _UPDATE_INF, _SPIKE, _ROW = tl.constexpr(6), tl.constexpr(7), tl.constexpr(11), tl.constexpr(12)
 _RBLOCK = 64 if interpreting() else 1024  # partials summed per iteration of the decide loop
 _S = len(STAGES)
+# at import: on triton 3.6 next_power_of_2 is a constexpr function, whose host-side call costs microseconds
+_S_PAD = triton.next_power_of_2(_S)
 
 
 @triton.jit
@@ -410,7 +412,7 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
             # the hold rule's inputs (a RecentRule's counters, or the flags; the others never read)
             hold_in = ((dec_flags, recent.clean_streak, recent.events, recent.window) if rule
                        else (recent, bad, bad, 0))
-            stages = dict(RULE=rule, S=_S, S_PAD=triton.next_power_of_2(_S), LOSS=recent.loss_stage if rule else 0)
+            stages = dict(RULE=rule, S=_S, S_PAD=_S_PAD, LOSS=recent.loss_stage if rule else 0)
             _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, *hold_in, TY=ty, ALIGNED=aligned,
                                       LAZY=code == 1 and factor is None, BLOCK=block, num_warps=warps, **stages)
             _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, *hold_in[:3], dec, dec_flags,

@@ -160,6 +160,18 @@ def _define(device, marks=()):
 if INTERPRETED:
     (test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel,
      test_failed_record_falls_back_to_torch) = _define("cpu")
+
+    def test_strided_counts_are_refused():
+        """The kernel walks flat memory: a strided count block is refused by name, and nothing is written."""
+        from nonans_optim.kernels.record import record_step_
+
+        res = Resolution("repair", 3, torch.device("cpu"), numels=[4, 4, 4])
+        before = {k: v.clone() for k, v in res.tensors.items()}
+        sc = torch.ones(S, 3, 2, dtype=torch.int64).transpose(0, 1)  # (3, S, 2), not contiguous
+        with pytest.raises(ValueError, match="contiguous tensors on one device"):
+            record_step_(res.tensors, sc, 1, numel=res.numel, backoff=0.5, min_scale=1e-3, growth_interval=10,
+                         repeat_window=5, loss_stage=STAGE_INDEX["loss"], grad_stage=STAGE_INDEX["grad"])
+        assert all(torch.equal(res.tensors[k], v) for k, v in before.items())
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
