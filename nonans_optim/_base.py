@@ -23,7 +23,7 @@ from ._checkpoint import Checkpointed
 from ._transfer import to_device
 from ._validation import _check_float, _check_int, check_betas
 from .functional.schedule_free import sf_weight
-from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
+from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy, inf_counts
 
 __all__ = ["NonansOptimizer"]
 
@@ -330,7 +330,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         ema.index_copy_(0, sel, new_ema)
         flags = trigger.to(torch.int64)
         for i, f in zip(idx, flags.unbind()):
-            ctx["counts"][(i, STAGE_INDEX["spike"])] = torch.stack((torch.zeros_like(f), f))
+            ctx["counts"][(i, STAGE_INDEX["spike"])] = inf_counts(f)
         return guarded
 
     def _device_indices(self, idx: list[int], device: torch.device) -> torch.Tensor:

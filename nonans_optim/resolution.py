@@ -30,7 +30,7 @@ from . import kernels, native
 from ._transfer import to_device
 
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "RecentRule", "finite_mask",
-           "storable_mask", "inspect", "tensor_counts", "check_policy"]
+           "storable_mask", "inspect", "inf_counts", "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
 
@@ -114,12 +114,20 @@ def inspect(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ok, torch.stack((nan, inf))
 
 
+def inf_counts(n: torch.Tensor) -> torch.Tensor:
+    """[0, n] (int64) for a 0-d count ``n`` that goes in the "inf" column — overflows, a bypassed
+    preconditioner, a capped spike: one op (a pad), where stacking it with a zero made two, per tensor
+    and stage on the eager paths."""
+    return torch.nn.functional.pad(n.reshape(1), (1, 0))
+
+
 def tensor_counts(total: torch.Tensor) -> torch.Tensor:
-    """[is_nan, is_inf] of a reduction ``total`` of an internal tensor — a tensor-level event count.
+    """[is_nan, is_inf] of a reduction ``total`` of an internal tensor — a tensor-level event count; for a
+    (B,) vector of totals (one per matrix of a batch), the (B, 2) rows.
 
     Used where an entry count would cost passes over data that is almost never bad (the NS5/NorMuon
     output: RMS 0.2, so its sum cannot overflow and is non-finite iff some entry is)."""
-    return torch.stack((torch.isnan(total), torch.isinf(total))).to(torch.int64)
+    return torch.stack((torch.isnan(total), torch.isinf(total)), -1).to(torch.int64)
 
 
 @dataclasses.dataclass(frozen=True)

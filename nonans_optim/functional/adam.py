@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import inspect, storable_mask
+from ..resolution import inf_counts, inspect, storable_mask
 
 __all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad",
            "gate_overflow_"]
@@ -52,7 +52,7 @@ def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Te
     v_ok = gate_overflow_(v, v_new)
     both = v_ok if m_ok is None else v_ok & m_ok
     overflow = (v_new.numel() - torch.count_nonzero(both)) - g_counts.sum()
-    return torch.stack((torch.zeros_like(overflow), overflow))
+    return inf_counts(overflow)
 
 
 def _moments_one(g, m, v, beta1, beta2, repair):

@@ -72,13 +72,13 @@ def hold_flag(ctx: dict[str, Any], index: int, grad_counts: torch.Tensor, numel:
     return recent_flags(ctx)[index] & (grad_counts.sum() == numel)
 
 
-def _guarded_write(dst: torch.Tensor, new: torch.Tensor, hold: torch.Tensor | None) -> torch.Tensor:
-    """dst ← new where finite and not held — one select straight into dst; returns the [nan, inf] counts
-    of what was written (a held tensor writes nothing, so it counts nothing)."""
+def _guarded_write(dst: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """dst ← new where finite and ``keep`` (0-d bool: not held) — one select straight into dst; returns the
+    [nan, inf] counts of what was written (a held tensor writes nothing, so it counts nothing)."""
     ok, counts = inspect(new)
-    if hold is not None:  # a 0-d flag folded into the bool mask, not a second full-size select
-        ok &= ~hold
-        counts = torch.where(hold, torch.zeros_like(counts), counts)
+    if keep is not None:  # a 0-d flag folded into the bool mask, not a second full-size select
+        ok &= keep
+        counts = counts * keep  # integer counts times a bool: exact (no 0·NaN here), one op, not two
     torch.where(ok, new, dst, out=dst)
     return counts
 
@@ -89,9 +89,10 @@ def commit_update(p: torch.Tensor, st: dict, y_new: torch.Tensor, z_new: torch.T
     finite — the last line of the invariant, for overflow that no earlier gate could see — and everywhere
     when ``hold`` (see :func:`hold_flag`) is set."""
     if repair:
-        counts = _guarded_write(p, y_new, hold)
+        keep = None if hold is None else ~hold  # once for p and z
+        counts = _guarded_write(p, y_new, keep)
         if z_new is not None:
-            counts = counts + _guarded_write(st["z"], z_new, hold)
+            counts = counts + _guarded_write(st["z"], z_new, keep)
         record(ctx, index, "update", counts)
         return
     p.copy_(y_new)

@@ -25,7 +25,7 @@ from ..functional.momentum import momentum_, mona_
 from ..functional.normuon import normuon, rms_match
 from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
-from ..resolution import finite_mask, inspect, tensor_counts
+from ..resolution import finite_mask, inf_counts, inspect, tensor_counts
 from ..routing import matrix_shape
 from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled_spectral import compiled_spectral_update
@@ -55,22 +55,28 @@ def spectral_init_state(p: torch.Tensor, comps: frozenset[str], momentum_dtype: 
 
 
 def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: list, group: dict,
-                comps: frozenset[str], batched: bool) -> tuple[list[torch.Tensor], list]:
-    """NS5 (+ NorMuon) on a list of same-shape fp32 matrices: one batched call or a loop."""
+                comps: frozenset[str], batched: bool, count: bool) -> tuple[list[torch.Tensor], list, list]:
+    """NS5 (+ NorMuon) on a list of same-shape fp32 matrices: one batched call or a loop. ``count``: also
+    each direction's tensor-level [nan, inf] counts (:func:`tensor_counts` of its sum), for a batch from
+    one reduction over the stack rather than five small ops per matrix; else Nones."""
     def one(M, v, row_ok):
         O = ns5(M, group["ns_steps"], dtype=group["ns5_dtype"]).float() if "ns5" in comps else M.float()
         if "normuon" in comps:
-            return normuon(O, v, row_ok, beta2=group["normuon_beta2"], eps=group["normuon_eps"])
-        return rms_match(O), None
+            U, v_new = normuon(O, v, row_ok, beta2=group["normuon_beta2"], eps=group["normuon_eps"])
+        else:
+            U, v_new = rms_match(O), None
+        return U, v_new, (tensor_counts(U.sum((-2, -1))) if count else None)
 
     if not batched or len(Ms) == 1:
         out = [one(M, v, r) for M, v, r in zip(Ms, vs, row_oks)]
-        return [o[0] for o in out], [o[1] for o in out]
+        return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
     M = torch.stack(Ms)
     v = torch.stack(vs) if vs[0] is not None else None
     r = torch.stack(row_oks) if row_oks[0] is not None else None
-    U, v_new = one(M, v, r)
-    return list(U.unbind(0)), (list(v_new.unbind(0)) if v_new is not None else [None] * len(Ms))
+    U, v_new, counts = one(M, v, r)
+    n = len(Ms)
+    return (list(U.unbind(0)), (list(v_new.unbind(0)) if v_new is not None else [None] * n),
+            (list(counts.unbind(0)) if counts is not None else [None] * n))
 
 
 def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
@@ -111,7 +117,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                                     nesterov=group["nesterov"])
         if repair:  # entries where a buffer overflowed with a finite gradient (and kept its value): the moment stage
             over = torch.count_nonzero(buf_overflow if overflow is None else overflow | buf_overflow)
-            record(ctx, idx, "moment", torch.stack((torch.zeros_like(over), over)))
+            record(ctx, idx, "moment", inf_counts(over))
         if "shampoo" in comps:
             from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
             # The paper's order (yorkerlin/KL-Methods kl_opt.py): precondition with the factors of the
@@ -123,7 +129,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                                               refresh_every=group["shampoo_refresh_every"])
             if repair:
                 flag = (internal_bad | bypassed).to(torch.int64)
-                record(ctx, idx, "direction", torch.stack((torch.zeros_like(flag), flag)))
+                record(ctx, idx, "direction", inf_counts(flag))
         Ms.append(M.float())
         vs.append(st.get("normuon_row_sq"))
         row_oks.append(ok.all(dim=-1) if (repair and "normuon" in comps) else None)
@@ -135,10 +141,13 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         buckets.setdefault(tuple(M.shape), []).append(i)
     Us: list[torch.Tensor | None] = [None] * len(Ms)
     for members in buckets.values():
-        U_b, v_b = _directions([Ms[i] for i in members], [vs[i] for i in members],
-                               [row_oks[i] for i in members], group, comps, batched=impl != "loop")
-        for i, U, v_new in zip(members, U_b, v_b):
+        U_b, v_b, c_b = _directions([Ms[i] for i in members], [vs[i] for i in members],
+                                    [row_oks[i] for i in members], group, comps, batched=impl != "loop",
+                                    count=repair)
+        for i, U, v_new, counts in zip(members, U_b, v_b, c_b):
             Us[i] = U
+            if repair:  # a non-finite entry of U makes y_new non-finite there: the update guard keeps p
+                record(ctx, indices[i], "direction", counts)
             if v_new is not None:
                 v_old = states[i]["normuon_row_sq"]
                 if repair:
@@ -148,10 +157,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
 
     wd = group["weight_decay"]
     for i, (p, st, idx) in enumerate(zip(params, states, indices)):
-        U = Us[i]
-        if repair:  # a non-finite entry of U makes y_new non-finite there: the update guard keeps p
-            record(ctx, idx, "direction", tensor_counts(U.sum()))
-        U = U.view_as(p).to(p.dtype)
+        U = Us[i].view_as(p).to(p.dtype)
         lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
         if "sf" in comps:
             y_new, z_new = sf_update_(p, st["z"], U, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
