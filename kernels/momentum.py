@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nonans_optim.resolution import storable_mask
+from nonans_optim.detection import storable_mask
 
 from ._cast import cast_rtne
 from ._elementwise import (check_counters, elementwise_block, kept_finite, load_grad_block, policy_code,

@@ -22,8 +22,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ._checkpoint import Checkpointed
 from ._transfer import to_device
 from ._validation import _check_float, _check_int, check_betas
+from .detection import inf_counts
 from .functional.schedule_free import sf_weight
-from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy, inf_counts
+from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
 
 __all__ = ["NonansOptimizer"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import inf_counts, inspect, storable_mask
+from ..detection import inf_counts, inspect, storable_mask
 
 __all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad",
            "gate_overflow_"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..resolution import storable_mask
+from ..detection import storable_mask
 
 __all__ = ["mona_", "momentum_"]
 

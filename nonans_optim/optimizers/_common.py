@@ -7,7 +7,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .._checkpoint import GLOBAL_KEY
-from ..resolution import STAGE_INDEX, inspect
+from ..detection import inspect
+from ..resolution import STAGE_INDEX
 
 __all__ = ["check_sizes", "record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
            "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
@@ -28,8 +29,9 @@ def eager_guard(grads: list[torch.Tensor], indices: list[int], ctx: dict[str, An
 
 
 def dense_counts(ctx: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """This step's dense (P, S, 2) count block, created on first use. The compiled kernels add a whole
-    group's counts into it with one op, where :func:`record` costs a few host-side ops per tensor."""
+    """This step's dense (P, S, 2) count block, zeroed on first use (``Resolution.count_block``: one block
+    kept between steps). The compiled kernels add a whole group's counts into it with one op, where
+    :func:`record` costs a few host-side ops per tensor."""
     if ctx["dense"] is None:
         ctx["dense"] = ctx["resolution"].count_block(device)
     return ctx["dense"]

@@ -52,8 +52,9 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .._transfer import to_device
+from ..detection import finite_mask, storable_mask  # |x| < inf: one vectorised compare once compiled
 from ..functional.spike import spike_scale
-from ..resolution import STAGES, finite_mask, storable_mask  # |x| < inf: one vectorised compare once compiled
+from ..resolution import STAGES
 from ._common import eager_guard
 
 __all__ = ["compiled_scalar_update", "compile_available", "compiled", "count", "nonfinite_counts",

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from .._transfer import to_device
+from ..detection import finite_mask, storable_mask
 from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
-from ..resolution import finite_mask, storable_mask
 from ..routing import matrix_shape
 from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
                         report_failure, resolution_args, stage_rows)

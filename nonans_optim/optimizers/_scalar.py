@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ..detection import finite_mask
 from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop, sf_moments
 from ..functional.schedule_free import sf_update_
-from ..resolution import finite_mask
 from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled import compiled_scalar_update
 from ._fused import fused_scalar_update, native_scalar_update

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from ..detection import finite_mask, inf_counts, inspect, tensor_counts
 from ..functional.momentum import momentum_, mona_
 from ..functional.normuon import normuon, rms_match
 from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
-from ..resolution import finite_mask, inf_counts, inspect, tensor_counts
 from ..routing import matrix_shape
 from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
 from ._compiled_spectral import compiled_spectral_update

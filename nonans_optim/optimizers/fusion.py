@@ -19,9 +19,10 @@ from .._base import NonansOptimizer
 from .._checkpoint import needs_init
 from .._transfer import to_device
 from .._validation import _check_float, _check_int, check_betas
+from ..detection import inspect
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import to_x_, to_y_
-from ..resolution import STAGE_INDEX, inspect
+from ..resolution import STAGE_INDEX
 from ..ns5 import hot_dtype
 from ..routing import route
 from ._common import dense_counts
