@@ -22,6 +22,7 @@ only where ``--out`` points.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -278,6 +279,7 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
     for arm in ("repair", "off", "torch_fused"):
         fused_step[f"{arm}_fraction_of_copy"] = fused_step[f"{arm}_gbps"] * 1e9 / bandwidth
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
             "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows), "fp16_safe": fp16_safe,
@@ -291,8 +293,9 @@ def _ms(x) -> str:
 def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section of one run (tables from the JSON; nothing typed by hand)."""
     t, c, e, f = data["targets"], data["crossover"], data["elementwise"], data.get("fused_step")
+    when = f", measured {data['date']}" if "date" in data else ""  # (recorded since 2026-11-25)
     lines = [f"Command: `{data['command']}` (JSON: `results/kernels.json`) on {data['device']}, torch "
-             f"{data['torch']}, triton {data['triton']}. Anchors: bf16 matmul {data['matmul_bf16_tflops']:.0f} "
+             f"{data['torch']}, triton {data['triton']}{when}. Anchors: bf16 matmul {data['matmul_bf16_tflops']:.0f} "
              f"TFLOP/s, copy {data['copy_gbps']:.0f} GB/s (read + write). NS5: {ITERATIONS} bf16 iterations; "
              "TFLOP/s count the dense 4m²n + 2m³ per iteration; the symmetric limit is the one-triangle count "
              "at the measured matmul rate.", "",

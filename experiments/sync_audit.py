@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import sys
 import traceback
@@ -112,14 +113,16 @@ def run(steps: int = 3, defaults_only: bool = False) -> dict[str, Any]:
         for site, n in sorted({**row["first_step_syncs"], **row["later_step_syncs"]}.items()):
             print(f"    sync x{n}: {site}")
     return {"command": "python -m experiments sync-audit" + (" --defaults" if defaults_only else ""),
-            "device": torch.cuda.get_device_name(),
+            "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "rows": rows}
 
 
 def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section of one audit (from its JSON; nothing typed by hand)."""
+    # (the date since 2026-11-25: which code a count belongs to is in the session notes of that day)
+    when = f", measured {data['date']}" if "date" in data else ""
     lines = [f"Command: `{data['command']}` (JSON: `results/sync_audit.json`) on {data['device']}, torch "
-             f"{data['torch']}. "
+             f"{data['torch']}{when}. "
              + ("Each optimizer as constructed by default (`impl=\"auto\"`)" if "--defaults" in data["command"] else
                 "Each optimizer of the overhead experiment") + " on its GPT, synthetic gradients: host "
              "syncs that `torch.cuda.set_sync_debug_mode(\"warn\")` reports inside `step()` (the first step, "

@@ -258,6 +258,7 @@ if INTERPRETED:
         text = bench.render(data)  # the GPU run's RESULTS.md section, exercised on the dry run's JSON
         assert all(f"| {b}×{m}×{n} |" in text for b, m, n in bench.DRY_SHAPES) and "Targets:" in text
         assert 'AdamW(impl="fused") repair / off' in text and "open question 2b" in text
+        assert f"measured {data['date']}" in text  # which run a table is: its date is in the section
         with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
             bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
         assert not (tmp_path / "R.md").exists()

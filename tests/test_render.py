@@ -91,3 +91,16 @@ def test_every_experiment_can_skip_rendering_the_same_way(name, capsys):
         module.main(["--help"])
     assert exit_.value.code == 0
     assert "--results-md" in capsys.readouterr().out
+
+
+def test_sync_audit_section_names_its_date_when_recorded():
+    """Audits since 2026-11-25 record when they ran (launch counts change with the code); older JSON renders
+    as it did."""
+    import json
+
+    from experiments.questions_io import ROOT
+    from experiments.sync_audit import render
+
+    data = json.loads((ROOT / "results" / "sync_audit.json").read_text())
+    assert "measured" not in render({k: v for k, v in data.items() if k != "date"})
+    assert "measured 2026-11-26T08:00:00" in render({**data, "date": "2026-11-26T08:00:00"})
