@@ -194,8 +194,10 @@ def run(args) -> dict[str, Any]:
     device = torch.device(args.device if args.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg: GPTConfig = QUICK if args.quick else MODELS[args.model]
+    runs = auto_runs(device)  # which rows the default, impl="auto", runs here
+    defaults = default_rows(runs)
     # --defaults: only each optimizer as constructed by default (what a GPU-sized model has time for)
-    names = list(default_rows(auto_runs(device)) if args.defaults else OPTIMIZERS)
+    names = list(defaults if args.defaults else OPTIMIZERS)
     machine = machine_info()
     base = build_gpt(cfg, device=device)
     grads = synthetic_grads(base)
@@ -228,8 +230,7 @@ def run(args) -> dict[str, Any]:
                          "sample_ms": args.sample_ms, "inner_step": step_inner, "inner_train_step": train_inner,
                          "wall_s": time.perf_counter() - t0, "design": "same tensors"},
             "targets": {"cpu_step_ratio_max": 1.02, "gpu_train_share_max": 0.003, "applies": limit},
-            "auto_runs": auto_runs(device),  # which rows the default, impl="auto", runs here
-            "default_rows": default_rows(auto_runs(device)),
+            "auto_runs": runs, "default_rows": defaults,
             "rows": rows, "size_sweep": sweep, "bytes_per_entry": {"step": STEP_BYTES, "with_guard": GUARD_BYTES},
             "controls": ctrl,
             "raw_ms": {"step": {k: [1e3 * x for x in v] for k, v in step_times.items()},
@@ -243,15 +244,14 @@ def auto_runs(device: torch.device) -> dict[str, str]:
     return {c: auto_choice(device, spectral=c not in ("AdamW", "SFAdamW")) for c in classes}
 
 
-def default_rows(auto_runs: dict[str, str] | str) -> dict[str, float | None]:
+def default_rows(auto_runs: dict[str, str]) -> dict[str, float | None]:
     """{row: that optimizer's default spike_factor} for the rows that are each optimizer's default
     configuration: the impl that auto runs here, and no explicit spike_factor (so the library's own default,
     read from a constructed optimizer rather than restated here)."""
     out = {}
     for name in OPTIMIZERS:
         cls_name = name.partition(" (")[0]
-        impl = auto_runs if isinstance(auto_runs, str) else auto_runs[cls_name]
-        if name == f"{cls_name} ({impl})":
+        if name == f"{cls_name} ({auto_runs[cls_name]})":
             out[name] = getattr(no, cls_name)([torch.nn.Parameter(torch.zeros(3, 3))]).spike_factor
     return out
 
@@ -401,20 +401,25 @@ def main(argv: list[str] | None = None) -> int:
 def section(data: dict[str, Any]) -> str:
     """The RESULTS.md section a run's JSON belongs in: a GPU run has its own, so the CPU table stays, and so
     does a run on another model (``--model``)."""
-    name = data.get("model", {}).get("name", "default")
-    return ("overhead-gpu" if data.get("device", "cpu") != "cpu" else "overhead") + \
-        ("" if name in ("default", "quick") else f"-{name}")
+    tag = _model_tag(data.get("model", {}).get("name", "default"))
+    return ("overhead-gpu" if data.get("device", "cpu") != "cpu" else "overhead") + (f"-{tag}" if tag else "")
+
+
+def _model_tag(model: str) -> str:
+    """The model's name where a run's JSON, section and title carry it: "" for the default model and the
+    --quick one (the tables published before --model keep their places)."""
+    return "" if model in ("default", "quick") else model
 
 
 def _json_name(gpu: bool, model: str) -> str:
-    """results/ file of a run: overhead[_cuda][_MODEL].json (the default and --quick models: no suffix)."""
-    return "overhead" + ("_cuda" if gpu else "") + ("" if model in ("default", "quick") else f"_{model}") + ".json"
+    """results/ file of a run: overhead[_cuda][_MODEL].json."""
+    tag = _model_tag(model)
+    return "overhead" + ("_cuda" if gpu else "") + (f"_{tag}" if tag else "") + ".json"
 
 
 def _publish(data: dict[str, Any], out: Path, results_md: str) -> None:
     """The JSON to ``out`` and the table into RESULTS.md's CPU or GPU section (a run, or --render-only)."""
     gpu = data.get("device", "cpu") != "cpu"
-    name = data["model"].get("name", "default")
-    title = ("Resolution overhead on clean steps" + (", GPU" if gpu else "") +
-             ("" if name in ("default", "quick") else f", {name}") + " (issue 3)")
+    tag = _model_tag(data["model"].get("name", "default"))
+    title = "Resolution overhead on clean steps" + (", GPU" if gpu else "") + (f", {tag}" if tag else "") + " (issue 3)"
     publish(data, out, render(data), results_md, section(data), title)

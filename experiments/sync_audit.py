@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from experiments.questions_io import ROOT, publish
+
 JSON_PATH = ROOT / "results" / "sync_audit.json"
 
 
@@ -154,15 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     else:
         data = run(defaults_only=args.defaults)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(data, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    text = render(data)
-    print(text)
-    if args.results_md:
-        from experiments.questions_io import replace_section
-
-        replace_section(Path(args.results_md), "sync-audit", text, title="Host syncs and launches on a GPU (issue 3)")
+    publish(data, args.out, render(data), args.results_md, "sync-audit", "Host syncs and launches on a GPU (issue 3)")
     return 0
 
 
