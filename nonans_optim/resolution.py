@@ -258,8 +258,6 @@ class Resolution:
         the ground truth both are tested against."""
         device = self.tensors["scale"].device
         if native and _record_on_triton(device) and self._record_triton(step, step_counts):
-            if step_counts is self._count_block:
-                self._count_block_dirty = False  # the kernel zeroed it behind its reads
             return
         if native and device.type == "cpu" and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
@@ -325,16 +323,19 @@ class Resolution:
     def _record_triton(self, step: int, step_counts: torch.Tensor) -> bool:
         from .kernels.record import record_step_
 
+        consume = step_counts is self._count_block  # (contiguous: .contiguous() below is the block itself)
         try:
             record_step_(self.tensors, step_counts.contiguous(), step, numel=self.numel, backoff=self.backoff,
                          min_scale=self.min_scale, growth_interval=self.growth_interval,
                          repeat_window=self.repeat_window, loss_stage=STAGE_INDEX["loss"],
-                         grad_stage=STAGE_INDEX["grad"], consume=step_counts is self._count_block)
+                         grad_stage=STAGE_INDEX["grad"], consume=consume)
         except Exception as err:  # noqa: BLE001 — a compile error, say: nothing was written; torch records
             _TRITON_RECORD_FAILED.append(f"{type(err).__name__}: {err}")
             warnings.warn(f"the Triton record kernel failed ({_TRITON_RECORD_FAILED[0][:300]}); recording "
                           "with torch ops from now on", RuntimeWarning, stacklevel=4)
             return False
+        if consume:
+            self._count_block_dirty = False  # the kernel zeroed it behind its reads
         return True
 
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step

@@ -255,6 +255,11 @@ def host_steps(states: list[dict]) -> list[float]:
     return out
 
 
+def undo_steps(states: list[dict]) -> None:
+    """Put back what :func:`host_steps` advanced, for a kernel that failed after it (error paths only)."""
+    torch._foreach_add_([st["step"] for st in states], -1.0)
+
+
 def _step_cells(steps: list[torch.Tensor]) -> list[ctypes.c_float] | None:
     """ctypes views of one-element fp32 CPU step tensors, or None unless every one is such a tensor with
     storage of its own (not a fake or wrapper tensor, whose address is 0, nor one autograd tracks)."""
@@ -324,5 +329,5 @@ def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor]
             *args, decay_z=sf and group["weight_decay"] != 0)
     except Exception as err:  # noqa: BLE001 — any compile failure: report once, then run eager
         report_failure(err)
-        torch._foreach_add_([st["step"] for st in states], -1.0)
+        undo_steps(states)
         return eager(grads)

@@ -33,7 +33,7 @@ from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
 from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
-                        report_failure, resolution_args, stage_rows)
+                        report_failure, resolution_args, stage_rows, undo_steps)
 
 __all__ = ["compiled_spectral_update", "supports"]
 
@@ -224,10 +224,10 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     # Built on the host and copied without blocking (a blocking host→device copy would synchronise).
     first = to_device(torch.tensor([s == 1 for s in steps]), device) if mona else None
     hp_pre = to_device(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["mona_beta"],
-                               group["mona_alpha"]], dtype=torch.float32), device)
+                                     group["mona_alpha"]], dtype=torch.float32), device)
     coef = group["sf_beta"] * (1 - c) - 1
     hp_post = to_device(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"],
-                                group["weight_decay"], c, coef], dtype=torch.float32), device)
+                                      group["weight_decay"], c, coef], dtype=torch.float32), device)
     bufs = [st["momentum_buffer"].view(s) for st, s in zip(states, shapes)]
     prevs = [st["mona_prev_grad"].view(s) for st, s in zip(states, shapes)] if mona else None
     davgs = [st["mona_diff_avg"].view(s) for st, s in zip(states, shapes)] if mona else None
@@ -244,7 +244,7 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
             nesterov=group["nesterov"], mona=mona, ns5="ns5" in comps, hot=hot)
     except Exception as err:  # noqa: BLE001 — the first failure disables compiled paths, nothing written
         report_failure(err)
-        torch._foreach_add_([st["step"] for st in states], -1.0)
+        undo_steps(states)
         return False
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
     outs = [iterate(X, coefficients, tall=tall) if "ns5" in comps else X

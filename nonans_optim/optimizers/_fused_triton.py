@@ -27,7 +27,7 @@ import torch
 
 from .. import kernels
 from ._common import check_sizes, mark_written, resolution_written
-from ._compiled import group_kernel_args
+from ._compiled import group_kernel_args, undo_steps
 
 __all__ = ["backend", "triton_scalar_update"]
 
@@ -68,7 +68,7 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
         k.scalar_step_(*args, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
                        factor=ctx["spike_factor"])
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
-        torch._foreach_add_([st["step"] for st in states], -1.0)
+        undo_steps(states)
         _FAILED.append(f"{type(err).__name__}: {err}")
         warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); falling back to "
                       "impl='compiled' (impl='auto': 'foreach')",
