@@ -176,8 +176,8 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
                    window, POLICY: tl.constexpr, GUARD: tl.constexpr, RULE: tl.constexpr, S: tl.constexpr,
                    S_PAD: tl.constexpr, LOSS: tl.constexpr, RBLOCK: tl.constexpr):
     """Per tensor: the spike guard (functional/spike.py::spike_scale) and the hold / keep-all flags, into
-    DEC (scale, new EMA) and FLAGS_OUT (bit 0 hold, 1 keep all, 2 spike). Writes nothing persistent: the
-    update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing.
+    DEC (scale, new EMA) and FLAGS_OUT (bit 0 hold, 1 keep all, 2 spike, 3 a bad entry). Writes nothing
+    persistent: the update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing.
     The hold rule's "recent event": :func:`_recent`."""
     t = tl.program_id(0)
     b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
@@ -203,7 +203,9 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
         cap64 = cap.to(tl.float64)
         trig = fin & seeded & (norm > cap64)
         # at least the smallest fp32 subnormal (2^-149): a capped ±Inf entry stays ±Inf, as in spike_scale
-        scale = tl.where(trig, tl.maximum(cap64 / norm, 1.401298464324817e-45).to(tl.float32), 1.0)
+        # (the divisor replaced where the guard does not fire: a zero norm would divide by zero)
+        scale = tl.where(trig, tl.maximum(cap64 / tl.where(trig, norm, 1.0), 1.401298464324817e-45).to(tl.float32),
+                         1.0)
         observed = tl.where(trig, cap, norm.to(tl.float32))
         fits = fin & _finite(observed) & (nbad == 0)  # only a complete gradient updates the EMA
         new_ema = tl.where(fits, tl.where(seeded, ema * beta + (1.0 - beta) * observed, observed), ema)
@@ -217,7 +219,10 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
         keep_all = nbad > 0
     tl.store(DEC + 2 * t, scale)
     tl.store(DEC + 2 * t + 1, new_ema)
-    tl.store(FLAGS_OUT + t, hold.to(tl.int32) + 2 * keep_all.to(tl.int32) + 4 * trig.to(tl.int32))
+    # bit 3, "some entry was bad" (exact unless the statistics were LAZY): the spectral path's NorMuon row
+    # gate reads a tensor's gradient rows again only then
+    tl.store(FLAGS_OUT + t, hold.to(tl.int32) + 2 * keep_all.to(tl.int32) + 4 * trig.to(tl.int32)
+             + 8 * (nbad > 0).to(tl.int32))
 
 
 @triton.jit
@@ -392,38 +397,56 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
     numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
     if nblocks == 0:
         return
-    # pinned (torch's caching host allocator: no allocation per step once warm), so the copy is truly
-    # asynchronous; the allocator keeps the block until the copy has run
-    # a flat list, then a view: building from nested lists cost about 1.5x as much host time
-    addr_host = torch.tensor([t.data_ptr() for row in zip(params, grads, seconds, vs) for t in row],
-                             dtype=torch.int64, pin_memory=device.type == "cuda").view(n, 4)
-    addr = addr_host.to(device, non_blocking=True)
+    addr, aligned = address_table([t.data_ptr() for row in zip(params, grads, seconds, vs) for t in row], device)
     ty = tl_dtype(params[0].dtype)
-    aligned = bool((addr_host % 16 == 0).all())
     with on_device(params[0]):
         dec = dec_flags = dense = scale = ema = None
         if res is not None:
-            scale, recent, ema, dense = res
-            ss = torch.empty(nblocks, dtype=torch.float64, device=device)
-            bad = torch.empty(nblocks, dtype=torch.int32, device=device)
-            dec = torch.empty(n, 2, dtype=torch.float32, device=device)
-            dec_flags = torch.empty(n, dtype=torch.int32, device=device)
-            rule = isinstance(recent, RecentRule)
-            # the hold rule's inputs (a RecentRule's counters, or the flags; the others never read)
-            hold_in = ((dec_flags, recent.clean_streak, recent.events, recent.window) if rule
-                       else (recent, bad, bad, 0))
-            stages = dict(RULE=rule, S=_S, S_PAD=_S_PAD, LOSS=recent.loss_stage if rule else 0)
-            _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, *hold_in, TY=ty, ALIGNED=aligned,
-                                      LAZY=code == 1 and factor is None, BLOCK=block, num_warps=warps, **stages)
-            _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, *hold_in[:3], dec, dec_flags,
-                                 float(factor or 0.0), SPIKE_BETA, hold_in[3], POLICY=code,
-                                 GUARD=factor is not None, RBLOCK=_RBLOCK, num_warps=1, **stages)
+            scale, _, ema, dense = res
+            dec, dec_flags = decisions(addr, (numel, first, owner, nblocks), sel, res, code, factor, ty, aligned,
+                                       lazy=code == 1 and factor is None)
         dummy = bcs  # never dereferenced when GATE is off
         _update_kernel[(nblocks,)](
             addr, numel, first, owner, bcs, hp, gamma, *(dummy if x is None else x
                                                           for x in (scale, sel, dec, dec_flags, ema, dense)),
             TY=ty, SF=sf, GATE=res is not None, GUARD=res is not None and factor is not None, DECAY_Z=decay_z,
             ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+
+
+def address_table(addresses: list[int], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The (n, 4) int64 address table on ``device`` from a flat row-major list of addresses, and whether
+    every address is 16-byte aligned (the kernels' ALIGNED). Pinned on the host (torch's caching host
+    allocator: no allocation per step once warm), so the copy is truly asynchronous; the allocator keeps
+    the block until the copy has run. A flat list, then a view: nested lists cost about 1.5x the host time."""
+    host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").view(-1, 4)
+    return host.to(device, non_blocking=True), bool((host % 16 == 0).all())
+
+
+def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, aligned: bool, *, lazy: bool):
+    """Launch the statistics and decide kernels over the gradients in column 1 of ``addr`` (the group's
+    address table, four columns); returns (DEC (n, 2) fp32: guard scale and new EMA, flags (n,) int32: bit 0
+    hold, 1 keep all, 2 spike, 3 a bad entry). Writes only this scratch. ``layout``: (numel, first, owner,
+    nblocks) of :func:`_layout`; ``res``: (scale, recent, ema, dense) as :func:`scalar_step_` takes it."""
+    numel, first, owner, nblocks = layout
+    n = numel.shape[0]
+    device = numel.device
+    block, warps = elementwise_block()
+    _, recent, ema, _ = res
+    ss = torch.empty(nblocks, dtype=torch.float64, device=device)
+    bad = torch.empty(nblocks, dtype=torch.int32, device=device)
+    dec = torch.empty(n, 2, dtype=torch.float32, device=device)
+    dec_flags = torch.empty(n, dtype=torch.int32, device=device)
+    rule = isinstance(recent, RecentRule)
+    # the hold rule's inputs (a RecentRule's counters, or the flags; the others never read)
+    hold_in = ((dec_flags, recent.clean_streak, recent.events, recent.window) if rule
+               else (recent, bad, bad, 0))
+    stages = dict(RULE=rule, S=_S, S_PAD=_S_PAD, LOSS=recent.loss_stage if rule else 0)
+    _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, *hold_in, TY=ty, ALIGNED=aligned,
+                              LAZY=lazy, BLOCK=block, num_warps=warps, **stages)
+    _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, *hold_in[:3], dec, dec_flags, float(factor or 0.0),
+                         SPIKE_BETA, hold_in[3], POLICY=code, GUARD=factor is not None, RBLOCK=_RBLOCK,
+                         num_warps=1, **stages)
+    return dec, dec_flags
 
 
 def scalar_step_reference_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str,

@@ -27,15 +27,15 @@ def _model():
                                torch.nn.Linear(12, 4), torch.nn.Conv2d(4, 3, 2))
 
 
-def _run(impl, cls, policy, *, inject=True, steps=5, **kw):
+def _run(impl, cls, policy, *, inject=True, steps=5, device="cpu", **kw):
     torch.manual_seed(0)
-    model = _model()
+    model = _model().to(device)
     opt = cls(no.param_groups(model), lr=1e-2, resolution=policy, impl=impl, ns5_dtype="fp32", **kw)
     gen = torch.Generator().manual_seed(1)
     ps = list(model.parameters())
     for t in range(steps):
         for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(device)
         if inject and t == 1:
             ps[0].grad[0, 0], ps[2].grad[1, 2] = float("nan"), float("inf")
         if inject and t == 2:
@@ -48,7 +48,7 @@ def _run(impl, cls, policy, *, inject=True, steps=5, **kw):
         if inject and t == 3:
             ps[0].grad[:] = float("-inf")
         opt.param_groups[0]["lr"] = 1e-2 / (t + 1)  # a schedule: must not recompile
-        opt.set_loss(torch.tensor(1.0 + t))
+        opt.set_loss(torch.tensor(1.0 + t, device=device))
         opt.step()
     return ps, opt
 

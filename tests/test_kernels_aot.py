@@ -217,3 +217,67 @@ def test_record_kernel(consume):
                  window="i32")
     _binary_ok(compile_for_hopper(_record_kernel, types,
                                   dict(S=6, S_PAD=8, LOSS=4, GRAD=0, CONSUME=consume, BLOCK_P=BLOCK_P)))
+
+
+@pytest.mark.parametrize("policy", [0, 1, 2])
+@pytest.mark.parametrize("buf, hot", [("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")])
+def test_spectral_step_kernels(policy, buf, hot):
+    """The spectral step of impl="fused" on CUDA (kernels/spectral_step.py): its six launches, every variant,
+    with the argument types the host passes (under "off" the decision slots are a float64 scratch tensor,
+    never read). Counting variants use atomics; nothing contracts to an FMA (clean repair must equal off);
+    full blocks and aligned rows use vector loads."""
+    import triton.language as tl
+
+    from nonans_optim.kernels import spectral_step as k
+
+    tys = {"fp32": tl.float32, "bf16": tl.bfloat16}
+    gate = policy != 0
+    table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
+    slot = (lambda ty: ty) if gate else (lambda ty: "*fp64")  # the dummy that stands in under "off"
+    for guard in ((False, True) if gate else (False,)):
+        kinds = dict(NESTEROV=True, GATE=gate, GUARD=guard, G_TY=tl.float32, BUF_TY=tys[buf], ALIGNED=True,
+                     EMULATE=False, BLOCK=2048)
+        msq = compile_for_hopper(k._msq_kernel, dict(table, HP="*fp32", DEC="*fp32" if guard else "*fp64",
+                                                     MSQ="*fp64"), kinds, num_warps=8, enable_fp_fusion=False)
+        _binary_ok(msq)
+        assert re.search(r"ld\.global(\.\w+)*\.v[24]", msq.asm["ptx"]), "full blocks: vector loads"
+        write = compile_for_hopper(k._write_kernel, dict(table, HP="*fp32", INV="*fp64", SEL=slot("*i64"),
+                                                         DEC=slot("*fp32"), DEC_FLAGS=slot("*i32"),
+                                                         EMA=slot("*fp32"), DENSE=slot("*i64")),
+                                   dict(kinds, X_TY=tys[hot]), num_warps=8, enable_fp_fusion=False)
+        _binary_ok(write)
+        assert ("atom" in write.asm["ptx"]) == gate, "counts: atomics exactly when gating"
+        assert "fma.rn.f32" not in write.asm["ptx"] + msq.asm["ptx"]
+    _binary_ok(compile_for_hopper(k._norm_kernel, dict(MSQ="*fp64", FIRST="*i64", INV="*fp64"),
+                                  dict(RBLOCK=1024), num_warps=1, enable_fp_fusion=False))
+    for normuon in (False, True):
+        for aligned in (False, True):
+            rows = compile_for_hopper(k._rows_kernel, dict(PRE="*i64", POST="*i64", ROW_FIRST="*i64",
+                                                           ROW_OWNER="*i32", NCOLS="*i64", HP="*fp32",
+                                                           DEC_FLAGS=slot("*i32"), ROW_INV="*fp32",
+                                                           ROW_SQ="*fp32", ROW_SUM="*fp32"),
+                                      dict(NORMUON=normuon, GATE=gate, G_TY=tl.float32, O_TY=tys[hot],
+                                           ROWS_ALIGNED=aligned, BLOCK_C=1024), num_warps=4,
+                                      enable_fp_fusion=False)
+            _binary_ok(rows)
+            assert "fma.rn.f32" not in rows.asm["ptx"]
+            if aligned:
+                assert re.search(r"ld\.global(\.\w+)*\.v[24]", rows.asm["ptx"]), "aligned rows: vector loads"
+    scale = compile_for_hopper(k._scale_kernel, dict(ROW_FIRST="*i64", TARGET="*fp32", ROW_INV="*fp32",
+                                                     ROW_SQ="*fp32", ROW_SUM="*fp32", SEL=slot("*i64"),
+                                                     DENSE=slot("*i64"), FACTOR="*fp32"),
+                               dict(GATE=gate, RBLOCK=1024), num_warps=1, enable_fp_fusion=False)
+    _binary_ok(scale)
+    assert ("atom" in scale.asm["ptx"]) == gate
+    for sf, decay in ((False, True), (True, False), (True, True)):
+        apply = compile_for_hopper(k._apply_kernel, dict(table, POST="*i64", ROW_FIRST="*i64", NCOLS="*i64",
+                                                         ROW_INV="*fp32", FACTOR="*fp32", HP="*fp32",
+                                                         GAMMA="*fp32", SCALE=slot("*fp32"), SEL=slot("*i64"),
+                                                         DEC_FLAGS=slot("*i32"), DENSE=slot("*i64")),
+                                   dict(P_TY=tl.float32, O_TY=tys[hot], SF=sf, DECAY=decay, GATE=gate,
+                                        ALIGNED=True, EMULATE=False, BLOCK=2048), num_warps=8,
+                                   enable_fp_fusion=False)
+        _binary_ok(apply)
+        assert ("atom" in apply.asm["ptx"]) == gate
+        assert "fma.rn.f32" not in apply.asm["ptx"]
+        assert re.search(r"st\.global(\.\w+)*\.v[24]", apply.asm["ptx"]), "full blocks: vector stores"

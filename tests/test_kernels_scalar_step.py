@@ -19,6 +19,7 @@ Pinned down:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -333,13 +334,11 @@ _NO_LAUNCH = ("aten.empty", "aten.new_empty", "aten.empty_strided", "aten.view",
               "aten.as_strided", "aten.reshape", "aten._unsafe_view", "aten.t.", "profiler.")
 
 
-def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
-    """What "repair" asks of the host beyond "off" on this path, counted (under the interpreter, the CPU's
-    stand-in for a GPU's launches): the statistics, decide and record kernels and not one torch op — the
-    hold rule's recent flags are read from the counters in the decide kernel and the count block is
-    reused, zeroed by the record kernel (each was a host-issued launch per step: an H100 sync-audit
-    counted 12 launches per AdamW repair step against 3 under "off" before). Ops the interpreter itself
-    issues while it runs a kernel are not counted."""
+@contextlib.contextmanager
+def count_launches(monkeypatch):
+    """(Triton launches by kernel name, torch ops issued outside them) while the block runs, under the
+    interpreter — both Counters, cleared by the caller between the steps it compares. Ops the interpreter
+    itself issues while it runs a kernel, and ops that launch nothing on a GPU, are not counted."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -368,23 +367,36 @@ def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
                 self.ops[name] += 1
             return func(*args, **(kwargs or {}))
 
+    with Ops() as mode:
+        yield launches, mode.ops
+
+
+def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
+    """What "repair" asks of the host beyond "off" on this path, counted (under the interpreter, the CPU's
+    stand-in for a GPU's launches): the statistics, decide and record kernels and not one torch op — the
+    hold rule's recent flags are read from the counters in the decide kernel and the count block is
+    reused, zeroed by the record kernel (each was a host-issued launch per step: an H100 sync-audit
+    counted 12 launches per AdamW repair step against 3 under "off" before)."""
+    from collections import Counter
+
     _force_triton(monkeypatch)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
-    for cls in (no.AdamW, no.SFAdamW):
-        opt = cls(params, lr=1e-3, impl="fused")
-        seen = {}
-        for policy in ("repair", "off", "repair"):  # (the first steps build state and the count block)
-            opt.resolution_policy = policy
-            for q in params:
-                q.grad = torch.randn_like(q)
-            opt.step()
-            launches.clear()
-            with Ops() as ops:
+    with count_launches(monkeypatch) as (launches, ops):
+        for cls in (no.AdamW, no.SFAdamW):
+            opt = cls(params, lr=1e-3, impl="fused")
+            seen = {}
+            for policy in ("repair", "off", "repair"):  # (the first steps build state and the count block)
+                opt.resolution_policy = policy
+                for q in params:
+                    q.grad = torch.randn_like(q)
                 opt.step()
-            seen[policy] = (ops.ops, Counter(launches))
-        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
-        assert rep_ops == off_ops, (rep_ops, off_ops)
-        assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
+                launches.clear()
+                ops.clear()
+                opt.step()
+                seen[policy] = (Counter(ops), Counter(launches))
+            (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+            assert rep_ops == off_ops, (rep_ops, off_ops)
+            assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
 
 
 def case_supported_takes_one_dtype_contiguous_group(device):

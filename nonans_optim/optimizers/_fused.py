@@ -81,7 +81,8 @@ def auto_choice(device: torch.device | str, spectral: bool = False) -> str:
     """What ``impl="auto"`` runs for fp32 contiguous groups on ``device`` — for reports that must say which
     path they measured: "fused" (the native loops) on a CPU where they build; on CUDA "fused" (the Triton
     kernels) for the (SF-)AdamW step where triton imports, and "foreach" for the spectral step (whose
-    fused CUDA path is torch.compile, which a default must not bring); else "foreach".
+    fused CUDA path — Triton kernels for NS5 + NorMuon + schedule-free groups, torch.compile for the others,
+    which a default must not bring — has not been timed on a GPU yet); else "foreach".
 
     Why Triton by default on CUDA: on an H100 (2026-11-25, ``python -m experiments overhead --device cuda``,
     RESULTS.md "overhead-gpu") the foreach AdamW step of that experiment's GPT took 6.8 ms "off" and 33.9 ms

@@ -9,8 +9,10 @@ time their byte traffic needs.
 
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
 under every policy, for contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
-bf16 or fp32 hot dtype. Anything else (fp16 NS5, CUDA) returns False and the caller
-runs ``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
+bf16 or fp32 hot dtype. Off the CPU (or with ``NONANS_FUSED_BACKEND=triton``) the group goes to the
+multi-tensor Triton kernels instead (``_fused_triton.triton_spectral_update``: NS5 + NorMuon + schedule-free,
+no MONA or KL-Shampoo). Anything neither covers (fp16 NS5, say) returns False and the caller runs
+``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
 gradient had a bad entry): the loops compute and count such a tensor's whole step and write nothing of
 it, KL-Shampoo's damping included. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
 
@@ -38,6 +40,7 @@ from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
 from ._common import check_sizes, dense_counts, mark_written, resolution_written
 from ._fused import Int64Array, pointers, resolution_pointers
+from ._fused_triton import backend, triton_spectral_update
 
 __all__ = ["fused_spectral_update"]
 
@@ -114,10 +117,13 @@ def _precondition(inputs, raws, buckets, params, grads, states, indices, group, 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
 def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                           indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
-                          comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
-    """Run the group's spectral step in the native loops; False (nothing changed) when they do not cover it."""
-    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+                          comps: frozenset[str], gamma: torch.Tensor, c: float, triton: bool = True) -> bool:
+    """Run the group's spectral step in the native loops (or, where the backend is Triton and ``triton``,
+    the Triton kernels); False (nothing changed) when they do not cover it."""
     device = params[0].device
+    if triton and backend(device) == "triton":
+        return triton_spectral_update(params, grads, states, indices, group, ctx, comps=comps, gamma=gamma, c=c)
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     if "ns5" not in comps or not comps <= _COVERED or policy not in _POLICY or not device.type == "cpu" \
             or group["ns5_dtype"] == "fp16_safe":
         return False

@@ -26,10 +26,14 @@ from typing import Any
 import torch
 
 from .. import kernels
+from .._transfer import to_device
+from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
+from ..routing import matrix_shape
 from ._common import check_sizes, mark_written, resolution_written
-from ._compiled import group_kernel_args, undo_steps
+from ._compiled import group_kernel_args, host_steps, resolution_args, undo_steps
+from ._compiled_spectral import _buckets
 
-__all__ = ["backend", "triton_scalar_update"]
+__all__ = ["backend", "triton_scalar_update", "triton_spectral_update"]
 
 _BACKENDS = ("auto", "native", "triton")
 _FAILED: list[str] = []  # the first launch failure of this process, if any
@@ -68,11 +72,69 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
         k.scalar_step_(*args, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
                        factor=ctx["spike_factor"])
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
-        undo_steps(states)
-        _FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); falling back to "
-                      "impl='compiled' (impl='auto': 'foreach')",
-                      RuntimeWarning, stacklevel=6)
+        _failed(err, states)
         return False
     mark_written(params, seconds, vs, resolution_written(ctx))
+    return True
+
+
+def _failed(err: Exception, states: list[dict]) -> None:
+    """A launch failed before anything persistent was written: put the step counts back, remember the
+    error (every later group of this process skips the Triton kernels) and warn once."""
+    undo_steps(states)
+    _FAILED.append(f"{type(err).__name__}: {err}")
+    warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); falling back to "
+                  "impl='compiled' (impl='auto': 'foreach')", RuntimeWarning, stacklevel=7)
+
+
+_SPECTRAL = frozenset({"ns5", "normuon", "sf"})
+
+
+def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                           indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
+                           comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
+    """The step of ``spectral_update(..., impl="loop")`` for NS5 (+ NorMuon) (+ schedule-free) groups on
+    the Triton kernels of ``nonans_optim.kernels.spectral_step`` around the batched torch NS5 iteration;
+    False (nothing done) when they cannot take this group (MONA, KL-Shampoo, fp16_safe NS5, 16-bit
+    parameters...: the caller then runs ``impl="compiled"``)."""
+    if _FAILED or not kernels.available() or "ns5" not in comps or not comps <= _SPECTRAL \
+            or group["ns5_dtype"] == "fp16_safe":
+        return False
+    from ..kernels import spectral_step as k  # imports triton: only once a fused GPU step needs it
+
+    device = params[0].device
+    bufs = [st["momentum_buffer"] for st in states]
+    sf, normuon = "sf" in comps, "normuon" in comps
+    zs = [st["z"] if sf else None for st in states]
+    vs = [st["normuon_row_sq"] if normuon else None for st in states]
+    hot = hot_dtype(device, group["ns5_dtype"])
+    if not k.supported(params, grads, bufs, zs, vs) or gamma.device != device \
+            or hot not in (torch.float32, torch.bfloat16):
+        return False
+    sizes = [p.numel() for p in params]
+    check_sizes(sizes, "momentum_buffer", bufs)
+    shapes = [matrix_shape(p) for p in params]
+    if sf:
+        check_sizes(sizes, "z", zs)
+    if normuon:
+        check_sizes([s[0] for s in shapes], "normuon_row_sq", vs)
+    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    buckets = _buckets(params)
+    host_steps(states)
+    sel, res, factor = resolution_args(ctx, indices, device, recent_rule=True)
+    hp_pre = to_device(torch.tensor([1 - group["momentum"], group["momentum"]], dtype=torch.float32), device)
+    hp_post = to_device(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"], group["weight_decay"], c,
+                                      group["sf_beta"] * (1 - c) - 1], dtype=torch.float32), device)
+    try:
+        pre = k.spectral_pre_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes, hot=hot,
+                              nesterov=group["nesterov"], policy=policy, factor=factor)
+    except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
+        _failed(err, states)
+        return False
+    coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
+    outs = [iterate(X, coefficients, tall=tall).contiguous() for X, (_, tall) in zip(pre.inputs, buckets)]
+    k.spectral_post_(pre, outs, params, grads, zs, gamma.float(), hp_post, buckets=buckets, shapes=shapes,
+                     normuon=normuon, sf=sf, decay=group["weight_decay"] != 0)
+    mark_written(params, bufs, [z for z in zs if z is not None], [v for v in vs if v is not None],
+                 resolution_written(ctx))
     return True

@@ -1,0 +1,239 @@
+"""The multi-tensor Triton spectral step (``kernels/spectral_step.py``): ``impl="fused"`` on CUDA for NS5
+(+ NorMuon) (+ schedule-free) groups, against ``impl="loop"``, its ground truth.
+
+Same two-faced layout as ``test_kernels_scalar_step.py``: a normal run re-runs this file under
+``TRITON_INTERPRET=1`` in a subprocess (on the CPU, with ``NONANS_FUSED_BACKEND=triton`` so the optimizer
+takes this path there), and runs the ``gpu``-marked copies on CUDA.
+
+Pinned down, with a fallback to ``impl="compiled"`` made to fail the test:
+* SF-NorMuon, Muon and two other covered component sets under every policy, over the fault sequence of
+  ``test_compiled_spectral.py`` (partial NaN/Inf, a whole tensor NaN, finite entries whose momentum lerp
+  overflows, a whole tensor -Inf on a parameter with a recent event: the hold rule) — parameters, state,
+  the Resolution tensors and the events;
+* matrices of several blocks and rows wider than one row chunk, with the spike guard firing, a bf16
+  momentum buffer and a bf16 NS5 input;
+* a clean "repair" step bit-identical to "off";
+* what "repair" adds to "off": the two decision launches (and the record kernel), no torch op;
+* a launch that fails before the first persistent write leaves nothing half-done and falls back;
+* GPU only: no host synchronisation in the step.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from interpreted import assert_interpreted_suite_passes, marker
+
+pytest.importorskip("triton")
+
+import nonans_optim as no  # noqa: E402
+from optim_infos import assert_params_and_state_close, assert_resolution_matches, event_tuples  # noqa: E402
+from test_compiled_spectral import _run  # noqa: E402  (its model and fault sequence)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+CASES = [(no.SFNorMuon, {}), (no.Muon, {}), (no.Fusion, {"components": ("ns5", "normuon"), "nesterov": False}),
+         (no.Fusion, {"components": ("ns5", "sf")})]
+IDS = ["SFNorMuon", "Muon", "Fusion-ns5-normuon", "Fusion-ns5-sf"]
+SHAPES = [(12, 300), (12, 300), (90, 20), (33, 17)]  # several blocks; a bucket of two; tall; ragged
+
+
+def _force_triton(monkeypatch):
+    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled"."""
+    from nonans_optim.optimizers import _spectral
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the Triton spectral path fell back to impl='compiled'")
+
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(_spectral, "compiled_spectral_update", no_fallback)
+
+
+def _run_wide(impl, policy, *, device, steps=5, clean=False, **kw):
+    """SF-NorMuon on SHAPES (several kernel blocks per matrix, rows wider than a row chunk): partial NaN/Inf,
+    a finite momentum overflow, a whole tensor NaN twice (the hold rule) and a finite spike (the guard)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(0.1 * torch.randn(s).to(device)) for s in SHAPES]
+    opt = no.SFNorMuon([{"params": ps, "path": "spectral"}], lr=1e-2, weight_decay=0.1, impl=impl,
+                       resolution=policy, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(steps):
+        for i, p in enumerate(ps):
+            g = torch.randn(p.shape, generator=gen)
+            if not clean and t == 1 and i == 0:
+                g[0, 3], g[5, 290] = float("nan"), float("inf")
+            if not clean and t in (2, 3) and i == 3:
+                g.fill_(float("nan"))
+            if not clean and t in (2, 3) and i == 1:  # finite; the buffer's lerp overflows on step 3
+                g[3, 7] = -3.3e38 if t == 2 else 3.3e38
+            if not clean and t == 3 and i == 2:
+                g *= 1e4
+            p.grad = g.to(device)
+        opt.step()
+    return ps, opt
+
+
+def case_optimizer_matches_loop(device, cls, kw, policy, monkeypatch):
+    _force_triton(monkeypatch)
+    inject = policy != "off"  # under "off" a fault makes both NaN, which would compare nothing
+    ref, ref_opt = _run("loop", cls, policy, inject=inject, device=device, **kw)
+    got, got_opt = _run("fused", cls, policy, inject=inject, device=device, **kw)
+    assert all(torch.isfinite(q).all() for q in got)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    if policy != "off":
+        assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
+        assert "grad" in {e[2] for e in event_tuples(got_opt)}
+
+
+def case_wide_matrices_match_loop(device, policy, factor, monkeypatch):
+    """With the guard (the default) the giant finite entry is a spike, rescaled before it reaches the
+    buffer; without it the buffer's lerp overflows (the moment stage): both, so every stage is exercised."""
+    _force_triton(monkeypatch)
+    ref, ref_opt = _run_wide("loop", policy, device=device, ns5_dtype="fp32", spike_factor=factor)
+    got, got_opt = _run_wide("fused", policy, device=device, ns5_dtype="fp32", spike_factor=factor)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
+    assert {"grad", "spike" if factor else "moment"} <= {e[2] for e in event_tuples(got_opt)}
+
+
+def case_bf16_buffer_and_ns5_input(device, monkeypatch):
+    """A bf16 momentum buffer (rounded once per write, its overflow tested as stored) and a bf16 NS5 input:
+    the loop does the same in bf16 tensors, so the two agree to bf16's resolution, not bit for bit."""
+    _force_triton(monkeypatch)
+    kw = dict(ns5_dtype="bf16", momentum_dtype="bf16")
+    ref, ref_opt = _run_wide("loop", "repair", device=device, **kw)
+    got, got_opt = _run_wide("fused", "repair", device=device, **kw)
+    for p, q, st_p, st_q in zip(ref, got, ref_opt.state.values(), got_opt.state.values()):
+        assert torch.isfinite(q).all()
+        torch.testing.assert_close(q, p, rtol=0, atol=2e-3)  # 5 steps of lr 1e-2 at RMS 0.2, bf16 NS5
+        assert st_q["momentum_buffer"].dtype == torch.bfloat16
+        torch.testing.assert_close(st_q["momentum_buffer"].float(), st_p["momentum_buffer"].float(),
+                                   rtol=1e-2, atol=1e-2)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+
+
+def case_clean_repair_is_off(device, monkeypatch):
+    _force_triton(monkeypatch)
+    runs = [_run_wide("fused", policy, device=device, clean=True, steps=3)[0] for policy in ("repair", "off")]
+    for p, q in zip(*runs):
+        assert torch.equal(p, q)
+
+
+def case_launch_failure_falls_back(device, monkeypatch):
+    """The buffer write is the first persistent write: a launch that fails there (a compile error on
+    another Triton version) leaves nothing half-done — one warning, the step counts put back — and the
+    step and every later one run impl="compiled", matching impl="loop"."""
+    from nonans_optim.kernels import spectral_step as k
+    from nonans_optim.optimizers import _fused_triton
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("simulated compile failure")
+            return launch
+
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(_fused_triton, "_FAILED", [])
+    monkeypatch.setattr(k, "_write_kernel", Broken())  # after the decisions, msq and norm launches
+    ref, ref_opt = _run("loop", no.SFNorMuon, "repair", device=device)
+    with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
+        got, got_opt = _run("fused", no.SFNorMuon, "repair", device=device)
+    assert sum("Triton kernels failed" in str(w.message) for w in record) == 1
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
+
+
+def case_repair_adds_only_the_decision_launches(monkeypatch):
+    """What "repair" asks of the host beyond "off" on this path, counted under the interpreter (the CPU's
+    stand-in for a GPU's launches): the statistics, decide and record kernels, and not one torch op. The
+    foreach path, the CUDA default before this one, issued about 80 launches per matrix under "repair"
+    against 27 under "off" (RESULTS.md, "sync-audit")."""
+    from collections import Counter
+
+    from test_kernels_scalar_step import count_launches
+
+    _force_triton(monkeypatch)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((16, 24), (16, 24), (30, 8))]
+    with count_launches(monkeypatch) as (launches, ops):
+        for cls in (no.SFNorMuon, no.Muon):
+            opt = cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused")
+            seen = {}
+            for policy in ("repair", "off", "repair"):  # (the first steps build state and the count block)
+                opt.resolution_policy = policy
+                for q in params:
+                    q.grad = torch.randn_like(q)
+                opt.step()
+                launches.clear()
+                ops.clear()
+                opt.step()
+                seen[policy] = (Counter(ops), Counter(launches))
+            (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+            assert rep_ops == off_ops, (rep_ops, off_ops)
+            assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
+            assert off_launch == Counter(["_msq_kernel", "_norm_kernel", "_write_kernel", "_rows_kernel",
+                                          "_scale_kernel", "_apply_kernel"])
+
+
+def _define(device, marks=()):
+    mark = marker(marks)
+
+    @mark
+    @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
+    @pytest.mark.parametrize("cls,kw", CASES, ids=IDS)
+    def test_optimizer_matches_loop(cls, kw, policy, monkeypatch):
+        case_optimizer_matches_loop(device, cls, kw, policy, monkeypatch)
+
+    @mark
+    @pytest.mark.parametrize("policy, factor", [("repair", 10.0), ("repair", None), ("skip", 10.0)])
+    def test_wide_matrices_match_loop(policy, factor, monkeypatch):
+        case_wide_matrices_match_loop(device, policy, factor, monkeypatch)
+
+    @mark
+    def test_bf16_buffer_and_ns5_input(monkeypatch):
+        case_bf16_buffer_and_ns5_input(device, monkeypatch)
+
+    @mark
+    def test_clean_repair_is_off(monkeypatch):
+        case_clean_repair_is_off(device, monkeypatch)
+
+    @mark
+    def test_launch_failure_falls_back(monkeypatch):
+        case_launch_failure_falls_back(device, monkeypatch)
+
+    return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
+            test_clean_repair_is_off, test_launch_failure_falls_back)
+
+
+if INTERPRETED:
+    pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+    def test_repair_adds_only_the_decision_launches(monkeypatch):
+        case_repair_adds_only_the_decision_launches(monkeypatch)
+
+    (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
+     test_clean_repair_is_off, test_launch_failure_falls_back) = _define("cpu")
+else:
+    def test_interpreter_suite():
+        """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
+        assert_interpreted_suite_passes(__file__, timeout=600)
+
+    gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
+    (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
+     test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+    @pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon], ids=["SFNorMuon", "Muon"])
+    def test_gpu_fused_spectral_step_never_syncs(cls):
+        params = [torch.randn(300, 70, device="cuda", requires_grad=True),
+                  torch.randn(64, 64, device="cuda", requires_grad=True)]
+        opt = cls([{"params": params, "path": "spectral"}], lr=1e-2, impl="fused")
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
