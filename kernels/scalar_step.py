@@ -34,91 +34,25 @@ differently in each variant would break.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from nonans_optim._transfer import to_device
 from nonans_optim.functional.spike import SPIKE_BETA
 from nonans_optim.resolution import STAGES, RecentRule
 
-from ._cast import cast_rtne
 from ._elementwise import elementwise_block, kept_finite, policy_code
+from ._multi import (_GRAD_INF, _GRAD_NAN, _MOMENT_INF, _ROW, _SPIKE, _UPDATE_INF, _UPDATE_NAN, _add_count,
+                     _block, _column, _count, _finite, _layout, _lerp, _load, _store, address_table, supported)
 from ._runtime import interpreting, on_device, tl_dtype
 
 __all__ = ["scalar_step_", "scalar_step_reference_", "supported", "_stats_kernel", "_decide_kernel",
            "_update_kernel"]
 
-# Offsets inside one parameter's (S=6, 2) row of the dense count block (nonans_optim.resolution.STAGES).
-_GRAD_NAN, _GRAD_INF, _MOMENT_INF = tl.constexpr(0), tl.constexpr(1), tl.constexpr(3)
-_UPDATE_NAN, _UPDATE_INF, _SPIKE, _ROW = tl.constexpr(6), tl.constexpr(7), tl.constexpr(11), tl.constexpr(12)
 _RBLOCK = 64 if interpreting() else 1024  # partials summed per iteration of the decide loop
 _S = len(STAGES)
 # at import: on triton 3.6 next_power_of_2 is a constexpr function, whose host-side call costs microseconds
 _S_PAD = triton.next_power_of_2(_S)
-
-
-@triton.jit
-def _finite(x):
-    return tl.abs(x) < float("inf")
-
-
-@triton.jit
-def _lerp(a, b, w):
-    """torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m."""
-    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
-
-
-
-@triton.jit
-def _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK: tl.constexpr):
-    """This program's id, its tensor, the block's first entry in that tensor, and how many entries are left
-    from there (at least BLOCK except in a tensor's last block)."""
-    pid = tl.program_id(0)
-    t = tl.load(BLOCK_TENSOR + pid)
-    start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
-    return pid, t, start, tl.load(NUMEL + t) - start
-
-
-@triton.jit
-def _column(ADDR, t, COLUMN: tl.constexpr, TY: tl.constexpr, start, ALIGNED: tl.constexpr):
-    """Typed pointer to the block's first entry in one column of the address table (p, g, m|z, v).
-
-    An address read from memory tells the compiler nothing about its alignment, so it would emit one
-    scalar access per entry; ALIGNED (the host checked every address is 16-byte aligned) restores the
-    128-bit vector accesses a pointer argument gets from the JIT's specialisation."""
-    base = tl.load(ADDR + t * 4 + COLUMN).to(tl.pointer_type(TY))
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    return base + start
-
-
-@triton.jit
-def _load(ptr, idx, mask, MASKED: tl.constexpr):
-    """fp32 block; only a tensor's last block is masked (a mask from a loaded length would also stop the
-    compiler from vectorising the full blocks)."""
-    if MASKED:
-        x = tl.load(ptr + idx, mask=mask, other=0.0)
-    else:
-        x = tl.load(ptr + idx)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _store(ptr, idx, x, mask, TY: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr):
-    if MASKED:
-        tl.store(ptr + idx, cast_rtne(x, TY, EMULATE), mask=mask)
-    else:
-        tl.store(ptr + idx, cast_rtne(x, TY, EMULATE))
-
-
-@triton.jit
-def _count(cond, mask, MASKED: tl.constexpr):
-    if MASKED:
-        cond = cond & mask
-    return tl.sum(cond.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -223,12 +157,6 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
     # gate reads a tensor's gradient rows again only then
     tl.store(FLAGS_OUT + t, hold.to(tl.int32) + 2 * keep_all.to(tl.int32) + 4 * trig.to(tl.int32)
              + 8 * (nbad > 0).to(tl.int32))
-
-
-@triton.jit
-def _add_count(ROW, OFFSET: tl.constexpr, n):
-    if n > 0:
-        tl.atomic_add(ROW + OFFSET, n.to(tl.int64))
 
 
 @triton.jit
@@ -347,35 +275,6 @@ def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, 
         _add_count(row, _UPDATE_INF, ub - un)
 
 
-
-def supported(tensors: list[torch.Tensor]) -> bool:
-    """True when one launch can take these tensors: one floating dtype the kernels implement, contiguous,
-    all on one device (a CUDA device, or the CPU under the Triton interpreter)."""
-    first = tensors[0]
-    dtype, index = first.dtype, first.get_device()
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if not (first.is_cuda or (first.is_cpu and interpreting())):
-        return False
-    # Run every step over all of a group's tensors (4 per parameter), so written for the host's time: list
-    # comprehensions and get_device() (an int) instead of one generator comparing torch.device objects took
-    # 66 -> ~38 us for 208 tensors. A device index alone cannot tell cuda:0 from another backend's 0; a
-    # parameter group never mixes backends (torch's foreach ops refuse it before this runs).
-    return (all([t.dtype == dtype for t in tensors]) and all([t.get_device() == index for t in tensors])
-            and all([t.is_contiguous() for t in tensors]))
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(numels: tuple[int, ...], block: int, device: str):
-    """(numel, first block of each tensor + total, owning tensor of each block) on ``device``, built once per
-    group shape: the layout is static while the addresses (gradients are new tensors every backward) are not."""
-    blocks = [triton.cdiv(n, block) for n in numels]
-    first = torch.tensor([0] + blocks, dtype=torch.int64).cumsum(0)
-    owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(blocks))
-    return (to_device(torch.tensor(numels, dtype=torch.int64), device), to_device(first, device),
-            to_device(owner, device), int(first[-1]))  # (pinned: no sync, even the first time)
-
-
 def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str, decay_z: bool,
                  factor: float | None) -> None:
     """The group step of ``_compiled._group_kernel`` (same arguments): ``ms`` (AdamW) or ``zs``
@@ -411,15 +310,6 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
                                                           for x in (scale, sel, dec, dec_flags, ema, dense)),
             TY=ty, SF=sf, GATE=res is not None, GUARD=res is not None and factor is not None, DECAY_Z=decay_z,
             ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, num_warps=warps, enable_fp_fusion=False)
-
-
-def address_table(addresses: list[int], device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The (n, 4) int64 address table on ``device`` from a flat row-major list of addresses, and whether
-    every address is 16-byte aligned (the kernels' ALIGNED). Pinned on the host (torch's caching host
-    allocator: no allocation per step once warm), so the copy is truly asynchronous; the allocator keeps
-    the block until the copy has run. A flat list, then a view: nested lists cost about 1.5x the host time."""
-    host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").view(-1, 4)
-    return host.to(device, non_blocking=True), bool((host % 16 == 0).all())
 
 
 def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, aligned: bool, *, lazy: bool):

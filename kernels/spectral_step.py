@@ -20,19 +20,24 @@ Launches per group (no host synchronisation: each decision is read from device m
 * ``_write_kernel``: the momentum buffer and X in the hot dtype into each shape bucket's (B, m, n) stack,
   the gradient and moment counts; a tensor's first block commits the guard's EMA and spike count;
 * (the caller runs the batched NS5 iteration on each bucket: matmuls, nothing to fuse);
-* ``_rows_kernel``: one program per matrix row — Σⱼ O², Σⱼ O, the NorMuon row moment (gated by whether
-  the row's gradient was entirely finite) and 1/dᵢ;
+* ``_rows_kernel`` (in ``_spectral_post.py``, with the next two): one program per matrix row — Σⱼ O²,
+  Σⱼ O, the NorMuon row moment (gated by whether the row's gradient was entirely finite) and 1/dᵢ;
 * ``_scale_kernel``: per tensor, ‖Ô‖_F from the row partials in row order, the RMS-matching factor, and
   the direction count (ΣU is finite iff every entry of U is);
 * ``_apply_kernel``: per block, U = O·(factor/dᵢ), the (schedule-free) update with the update guard, the
   hold rule and "skip", and the update counts.
 
-"off" issues the five launches of ``_msq_kernel`` … ``_apply_kernel``; "repair" adds the two decision
-launches. Tensors are reached through int64 address tables (four columns; column 1 is the gradient, which
-the shared statistics kernel reads): pre (buffer, g, X slot, row moment v) and post (p, g, z, O slot).
-Parameters, gradients and z are one float dtype (fp32 or bf16); the momentum buffer fp32 or bf16; X/O
-fp32 or bf16. Math is fp32 (the norms float64), compiled without FMA contraction so that the "repair" and
-"off" variants of every kernel compute the same bits on a clean step.
+"off" issues the six launches of ``_msq_kernel`` … ``_apply_kernel``; "repair" adds the two decision
+launches (and the optimizer's one-launch record after the step). ``_write_kernel`` is the first persistent
+write: a launch failing before it (a compile error on another Triton version) leaves the optimizer as it
+was and the caller falls back to ``impl="compiled"``; one of the three after it would raise with the
+buffers already advanced (the kernels compile ahead of time for sm_90 in CI: tests/test_kernels_aot.py).
+
+Tensors are reached through int64 address tables (four columns; column 1 is the gradient, which the shared
+statistics kernel reads): pre (buffer, g, X slot, row moment v) and post (p, g, z, O slot). Parameters,
+gradients and z are fp32; the momentum buffer fp32 or bf16; X/O fp32 or bf16. Math is fp32 (the norms
+float64), compiled without FMA contraction so that the "repair" and "off" variants of every kernel compute
+the same bits on a clean step.
 """
 from __future__ import annotations
 
@@ -46,27 +51,18 @@ import triton.language as tl
 
 from nonans_optim._transfer import to_device
 from nonans_optim.functional.normuon import RMS_TARGET
-from nonans_optim.functional.spike import SPIKE_BETA
-from nonans_optim.resolution import STAGE_INDEX, RecentRule
 
 from ._cast import cast_rtne
 from ._elementwise import elementwise_block, kept_finite, policy_code
+from ._multi import (_GRAD_INF, _GRAD_NAN, _MOMENT_INF, _ROW, _SPIKE, _add_count, _block, _column, _finite, _layout,
+                     _lerp, _load, address_table)
+from ._multi import supported as one_launch
 from ._runtime import interpreting, on_device, tl_dtype
-from .scalar_step import (_RBLOCK, _S, _S_PAD, _add_count, _block, _column, _count, _decide_kernel, _finite,
-                          _layout, _lerp, _load, _stats_kernel, _store)
+from ._spectral_post import _apply_kernel, _rows_kernel, _scale_kernel
+from .scalar_step import _RBLOCK, decisions
 
 __all__ = ["spectral_pre_", "spectral_post_", "supported", "PreResult"]
 
-# Offsets inside one parameter's (S=6, 2) row of the dense count block (nonans_optim.resolution.STAGES).
-_GRAD_NAN = tl.constexpr(2 * STAGE_INDEX["grad"])
-_GRAD_INF = tl.constexpr(2 * STAGE_INDEX["grad"] + 1)
-_MOMENT_INF = tl.constexpr(2 * STAGE_INDEX["moment"] + 1)
-_DIR_NAN = tl.constexpr(2 * STAGE_INDEX["direction"])
-_DIR_INF = tl.constexpr(2 * STAGE_INDEX["direction"] + 1)
-_UPDATE_NAN = tl.constexpr(2 * STAGE_INDEX["update"])
-_UPDATE_INF = tl.constexpr(2 * STAGE_INDEX["update"] + 1)
-_SPIKE = tl.constexpr(2 * STAGE_INDEX["spike"] + 1)
-_ROW = tl.constexpr(2 * _S)
 _BLOCK_C = 32 if interpreting() else 1024  # columns per iteration of the row loop
 
 
@@ -192,178 +188,11 @@ def _write_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS
         _add_count(row, _MOMENT_INF, tl.sum((over & mask).to(tl.int32), axis=0))
 
 
-@triton.jit
-def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV, ROW_SQ, ROW_SUM,
-                 NORMUON: tl.constexpr, GATE: tl.constexpr, G_TY: tl.constexpr, O_TY: tl.constexpr,
-                 ROWS_ALIGNED: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One matrix row of one tensor: Σⱼ O², (GATE) Σⱼ O and, NORMUON, the row moment
-    v ← lerp(v, Σⱼ O²/n, 1-β₂) — kept where the row's gradient had a bad entry (read only for a tensor
-    that had one) or where the new value is not finite, and not written for a "skip" tensor — and
-    1/dᵢ = 1/(√v + ε) from the gated (not yet finiteness-checked) value, as _compiled_spectral._post."""
-    r_glob = tl.program_id(0)
-    t = tl.load(ROW_OWNER + r_glob)
-    r = r_glob - tl.load(ROW_FIRST + t)
-    C = tl.load(NCOLS + t)
-    o_ptr = _column(POST, t, 3, O_TY, r * C, False)
-    g_ptr = _column(POST, t, 1, G_TY, r * C, False)
-    if ROWS_ALIGNED:  # the host checked: every row starts 16-byte aligned and C is a multiple of 8
-        C = tl.multiple_of(C, 8)
-        o_ptr = tl.multiple_of(o_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-    flags = t * 0
-    if GATE:
-        flags = tl.load(DEC_FLAGS + t)
-    look = (flags & 8) != 0  # the tensor's gradient had a bad entry: find this row's
-    sq = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    sm = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    bad = tl.zeros((BLOCK_C,), dtype=tl.int32)
-    for c0 in range(0, C, BLOCK_C):
-        idx = c0 + tl.arange(0, BLOCK_C)
-        m = idx < C
-        o = tl.load(o_ptr + idx, mask=m, other=0.0).to(tl.float32)
-        sq += o * o
-        if GATE:
-            sm += o
-            if NORMUON:
-                if look:
-                    g = tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
-                    bad += (~_finite(g)).to(tl.int32)
-    row_sq = tl.sum(sq, axis=0)
-    inv = 1.0
-    if NORMUON:
-        one_m_b2, eps = tl.load(HP), tl.load(HP + 1)
-        v_ptr = _column(PRE, t, 3, tl.float32, r, False)
-        vo = tl.load(v_ptr)
-        vn = _lerp(vo, tl.div_rn(row_sq, C.to(tl.float32)), one_m_b2)
-        if GATE:
-            vn = tl.where(tl.sum(bad, axis=0) == 0, vn, vo)
-        inv = tl.div_rn(1.0, tl.sqrt_rn(vn) + eps)
-        if GATE:
-            vn = tl.where(_finite(vn) & ((flags & 2) == 0), vn, vo)
-        tl.store(v_ptr, vn)
-    tl.store(ROW_INV + r_glob, inv)
-    tl.store(ROW_SQ + r_glob, row_sq * inv * inv)
-    if GATE:
-        tl.store(ROW_SUM + r_glob, tl.sum(sm, axis=0))
-
-
-@triton.jit
-def _scale_kernel(ROW_FIRST, TARGET, ROW_INV, ROW_SQ, ROW_SUM, SEL, DENSE, FACTOR, GATE: tl.constexpr,
-                  RBLOCK: tl.constexpr):
-    """Per tensor: ‖Ô‖_F (Ô = O/d) from its rows' partials in row order, the RMS-matching factor
-    0.2·√(mn)/‖Ô‖_F (0 for a zero direction), and under GATE the direction count: ΣU = Σᵢ (factor/dᵢ)·ΣⱼOᵢⱼ
-    is finite iff every entry of U is (RMS 0.2 cannot overflow)."""
-    t = tl.program_id(0)
-    r0, r1 = tl.load(ROW_FIRST + t), tl.load(ROW_FIRST + t + 1)
-    acc = tl.zeros((RBLOCK,), dtype=tl.float64)
-    for start in range(r0, r1, RBLOCK):
-        idx = start + tl.arange(0, RBLOCK)
-        acc += tl.load(ROW_SQ + idx, mask=idx < r1, other=0.0).to(tl.float64)
-    norm = tl.sqrt(tl.sum(acc, axis=0)).to(tl.float32)
-    factor = tl.where(norm > 0.0, tl.div_rn(tl.load(TARGET + t), tl.where(norm > 0.0, norm, 1.0)), 0.0)
-    tl.store(FACTOR + t, factor)
-    if GATE:
-        tot = tl.zeros((RBLOCK,), dtype=tl.float32)
-        for start in range(r0, r1, RBLOCK):
-            idx = start + tl.arange(0, RBLOCK)
-            m = idx < r1
-            tot += tl.load(ROW_SUM + idx, mask=m, other=0.0) * (tl.load(ROW_INV + idx, mask=m, other=0.0) * factor)
-        total = tl.sum(tot, axis=0)
-        row = DENSE + tl.load(SEL + t) * _ROW
-        _add_count(row, _DIR_NAN, (total != total).to(tl.int32))
-        _add_count(row, _DIR_INF, (tl.abs(total) == float("inf")).to(tl.int32))
-
-
-@triton.jit
-def _apply_block(p_ptr, z_ptr, o_ptr, rinv_ptr, idx, mask, col0, C, factor, HP, lr, hold, keep_all,
-                 P_TY: tl.constexpr, O_TY: tl.constexpr, SF: tl.constexpr, DECAY: tl.constexpr, GATE: tl.constexpr,
-                 EMULATE: tl.constexpr, MASKED: tl.constexpr):
-    """The update of _compiled_spectral._post on one block, in place; its (update NaN, update non-finite)
-    counts. ``rinv_ptr`` points at 1/dᵢ of the block's first row, ``col0`` is the block's column offset in
-    that row. Every gate tests the value as it will be stored."""
-    wd, c, coef = tl.load(HP + 2), tl.load(HP + 3), tl.load(HP + 4)
-    rows = (col0 + idx) // C  # int32: the block's rows relative to its first
-    o = _load(o_ptr, idx, mask, MASKED)
-    po = _load(p_ptr, idx, mask, MASKED)
-    if MASKED:
-        rinv = tl.load(rinv_ptr + rows, mask=mask, other=0.0)
-    else:
-        rinv = tl.load(rinv_ptr + rows)
-    d = cast_rtne(o * (rinv * factor), P_TY, EMULATE).to(tl.float32)  # U in the parameter's dtype
-    if SF:
-        zo = _load(z_ptr, idx, mask, MASKED)
-        if DECAY:  # eager adds λ·z only when λ != 0 (0·z would turn an infinite z into NaN)
-            d = d + zo * wd
-        y = _lerp(po, zo, c) + d * (lr * coef)
-        zn = zo - d * lr
-    else:
-        zo = po
-        zn = po
-        y = po * (1.0 - lr * wd) - lr * d
-    zero = tl.sum(tl.zeros_like(idx), axis=0)
-    un, ub = zero, zero
-    if GATE:
-        y_ok = kept_finite(y, P_TY, EMULATE)
-        un = _count(y != y, mask, MASKED)
-        ub = _count(~y_ok, mask, MASKED)
-        y = tl.where(y_ok & ~hold & ~keep_all, y, po)
-        if SF:
-            z_ok = kept_finite(zn, P_TY, EMULATE)
-            un += _count(zn != zn, mask, MASKED)
-            ub += _count(~z_ok, mask, MASKED)
-            zn = tl.where(z_ok & ~hold & ~keep_all, zn, zo)
-        un = tl.where(hold, 0, un)  # a held tensor writes nothing, so it counts no update
-        ub = tl.where(hold, 0, ub)
-    _store(p_ptr, idx, y, mask, P_TY, EMULATE, MASKED)
-    if SF:
-        _store(z_ptr, idx, zn, mask, P_TY, EMULATE, MASKED)
-    return un, ub
-
-
-@triton.jit
-def _apply_kernel(POST, NUMEL, FIRST, BLOCK_TENSOR, ROW_FIRST, NCOLS, ROW_INV, FACTOR, HP, GAMMA, SCALE, SEL,
-                  DEC_FLAGS, DENSE, P_TY: tl.constexpr, O_TY: tl.constexpr, SF: tl.constexpr, DECAY: tl.constexpr,
-                  GATE: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    """One block of one tensor: U = O·(factor/dᵢ) and the update. GATE: SCALE/SEL/DEC_FLAGS/DENSE are real
-    (the escalation scale, hold bit 0, "skip" bit 1), otherwise never dereferenced."""
-    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
-    p_ptr = _column(POST, t, 0, P_TY, start, ALIGNED)
-    z_ptr = _column(POST, t, 2, P_TY, start, ALIGNED)
-    o_ptr = _column(POST, t, 3, O_TY, start, ALIGNED)
-    C = tl.load(NCOLS + t)
-    row0 = start // C
-    col0 = (start - row0 * C).to(tl.int32)
-    rinv_ptr = ROW_INV + tl.load(ROW_FIRST + t) + row0
-    factor = tl.load(FACTOR + t)
-    lr = tl.load(GAMMA)
-    hold = t < 0
-    keep_all = t < 0
-    if GATE:
-        sel = tl.load(SEL + t)
-        lr = lr * tl.load(SCALE + sel)
-        flags = tl.load(DEC_FLAGS + t)
-        hold = (flags & 1) != 0
-        keep_all = (flags & 2) != 0
-    idx = tl.arange(0, BLOCK)
-    c32 = C.to(tl.int32)
-    if rem >= BLOCK:
-        un, ub = _apply_block(p_ptr, z_ptr, o_ptr, rinv_ptr, idx, idx < rem, col0, c32, factor, HP, lr, hold,
-                              keep_all, P_TY, O_TY, SF, DECAY, GATE, EMULATE, False)
-    else:
-        un, ub = _apply_block(p_ptr, z_ptr, o_ptr, rinv_ptr, idx, idx < rem, col0, c32, factor, HP, lr, hold,
-                              keep_all, P_TY, O_TY, SF, DECAY, GATE, EMULATE, True)
-    if GATE:
-        row = DENSE + sel * _ROW
-        _add_count(row, _UPDATE_NAN, un)
-        _add_count(row, _UPDATE_INF, ub - un)
-
-
 def supported(params, grads, bufs, zs, vs) -> bool:
     """True when these launches can take the group: fp32 parameters, gradients and z, an fp32 or bf16
     momentum buffer, fp32 row moments, all contiguous on one device (a CUDA device, or the CPU under the
     Triton interpreter). 16-bit parameters run ``impl="compiled"``: its eager arithmetic rounds at every op
     in that dtype, which these fp32 kernels would not reproduce."""
-    from .scalar_step import supported as one_launch
     if not one_launch(params + grads + [z for z in zs if z is not None]) or params[0].dtype != torch.float32:
         return False
     return (one_launch(bufs) and bufs[0].dtype in (torch.float32, torch.bfloat16)
@@ -402,7 +231,6 @@ def spectral_pre_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.
     (``_compiled_spectral._buckets``: member positions, tall) in the parameters' own layout, each matrix
     at unit Frobenius norm. ``hp`` = [1-μ, μ] (fp32, on the device); ``res``/``sel`` as for
     ``scalar_step.scalar_step_`` (None under "off"); ``vs`` the NorMuon row moments or Nones."""
-    from .scalar_step import address_table, decisions
     code = policy_code(policy)
     if (res is None) != (code == 0):
         raise ValueError("res must be given exactly when the policy is not 'off'")
@@ -442,10 +270,10 @@ def spectral_pre_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.
 def spectral_post_(pre: PreResult, outs, params, grads, zs, gamma, hp, *, buckets, shapes, normuon: bool,
                    sf: bool, decay: bool) -> None:
     """The direction side: from each bucket's NS5 output in ``outs`` ((B, m, n), the parameters' layout),
-    NorMuon (the row moments given to :func:`spectral_pre_` updated in place) or RMS matching, the (schedule-free) update of ``params`` (and ``zs``)
-    with the update guard, and the direction and update counts. ``hp`` = [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] (fp32,
+    NorMuon (the row moments given to :func:`spectral_pre_`, updated in place) or RMS matching, the
+    (schedule-free) update of ``params`` (and ``zs``) with the update guard, and the direction and update
+    counts (kernels in :mod:`._spectral_post`). ``hp`` = [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] (fp32,
     on the device), ``gamma`` the 0-d fp32 step size there."""
-    from .scalar_step import address_table
     device = params[0].device
     block, warps = elementwise_block()
     numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))

@@ -242,11 +242,9 @@ def case_skip_holds_as_the_loop_does(device, cls, monkeypatch):
     assert_skip_holds_as_the_loop_does(cls, "fused", device=device)
 
 
-def case_launch_failure_falls_back(device, monkeypatch):
-    """A kernel that fails to launch (a compile error on another Triton version) must leave nothing
-    half-done: one warning, the step counts put back, and the step — and every later one — runs
-    impl="compiled", so the run matches impl="loop" as if Triton had never been tried."""
-    from nonans_optim.kernels import scalar_step as k
+def break_kernel(monkeypatch, module, name: str) -> None:
+    """Make ``module.name`` fail at launch as a compile error on another Triton version would, on the
+    Triton backend, with this process's record of earlier failures cleared."""
     from nonans_optim.optimizers import _fused_triton
 
     class Broken:
@@ -257,7 +255,16 @@ def case_launch_failure_falls_back(device, monkeypatch):
 
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     monkeypatch.setattr(_fused_triton, "_FAILED", [])
-    monkeypatch.setattr(k, "_update_kernel", Broken())  # after stats and decide have run
+    monkeypatch.setattr(module, name, Broken())
+
+
+def case_launch_failure_falls_back(device, monkeypatch):
+    """A kernel that fails to launch (a compile error on another Triton version) must leave nothing
+    half-done: one warning, the step counts put back, and the step — and every later one — runs
+    impl="compiled", so the run matches impl="loop" as if Triton had never been tried."""
+    from nonans_optim.kernels import scalar_step as k
+
+    break_kernel(monkeypatch, k, "_update_kernel")  # after stats and decide have run
     ref, ref_opt = _run(no.AdamW, "loop", "repair", device=device)
     with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
         got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
@@ -271,6 +278,18 @@ def case_clean_repair_is_off(device, cls, monkeypatch):
     runs = [_run(cls, "fused", policy, device=device, clean=True)[0] for policy in ("repair", "off")]
     for p, q in zip(*runs):
         assert torch.equal(p, q)
+
+
+def steps_never_sync(opt, params, steps: int = 3) -> None:
+    """Step ``opt`` on fresh CUDA gradients with host synchronisation made an error."""
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def _define(device, marks=()):
@@ -371,6 +390,26 @@ def count_launches(monkeypatch):
         yield launches, mode.ops
 
 
+def step_launches(monkeypatch, opt, params) -> dict:
+    """{policy: (torch ops, Triton launches)} of one step of ``opt`` under "repair" and under "off": one
+    optimizer whose policy is switched (its first steps, which build the state and the count block, are
+    not counted)."""
+    from collections import Counter
+
+    seen = {}
+    with count_launches(monkeypatch) as (launches, ops):
+        for policy in ("repair", "off", "repair"):
+            opt.resolution_policy = policy
+            for q in params:
+                q.grad = torch.randn_like(q)
+            opt.step()
+            launches.clear()
+            ops.clear()
+            opt.step()
+            seen[policy] = (Counter(ops), Counter(launches))
+    return seen
+
+
 def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
     """What "repair" asks of the host beyond "off" on this path, counted (under the interpreter, the CPU's
     stand-in for a GPU's launches): the statistics, decide and record kernels and not one torch op — the
@@ -381,22 +420,11 @@ def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
 
     _force_triton(monkeypatch)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
-    with count_launches(monkeypatch) as (launches, ops):
-        for cls in (no.AdamW, no.SFAdamW):
-            opt = cls(params, lr=1e-3, impl="fused")
-            seen = {}
-            for policy in ("repair", "off", "repair"):  # (the first steps build state and the count block)
-                opt.resolution_policy = policy
-                for q in params:
-                    q.grad = torch.randn_like(q)
-                opt.step()
-                launches.clear()
-                ops.clear()
-                opt.step()
-                seen[policy] = (Counter(ops), Counter(launches))
-            (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
-            assert rep_ops == off_ops, (rep_ops, off_ops)
-            assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
+    for cls in (no.AdamW, no.SFAdamW):
+        seen = step_launches(monkeypatch, cls(params, lr=1e-3, impl="fused"), params)
+        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+        assert rep_ops == off_ops, (rep_ops, off_ops)
+        assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
 
 
 def case_supported_takes_one_dtype_contiguous_group(device):
@@ -463,15 +491,7 @@ else:
     @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
     def test_gpu_fused_step_never_syncs(cls):
         params = [torch.randn(300, 70, device="cuda", requires_grad=True), torch.randn(5, device="cuda")]
-        opt = cls(params, lr=1e-2, impl="fused")
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        steps_never_sync(cls(params, lr=1e-2, impl="fused"), params)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

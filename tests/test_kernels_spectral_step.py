@@ -125,17 +125,9 @@ def case_launch_failure_falls_back(device, monkeypatch):
     another Triton version) leaves nothing half-done — one warning, the step counts put back — and the
     step and every later one run impl="compiled", matching impl="loop"."""
     from nonans_optim.kernels import spectral_step as k
-    from nonans_optim.optimizers import _fused_triton
+    from test_kernels_scalar_step import break_kernel
 
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("simulated compile failure")
-            return launch
-
-    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    monkeypatch.setattr(_fused_triton, "_FAILED", [])
-    monkeypatch.setattr(k, "_write_kernel", Broken())  # after the decisions, msq and norm launches
+    break_kernel(monkeypatch, k, "_write_kernel")  # after the decisions, msq and norm launches
     ref, ref_opt = _run("loop", no.SFNorMuon, "repair", device=device)
     with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
         got, got_opt = _run("fused", no.SFNorMuon, "repair", device=device)
@@ -151,28 +143,18 @@ def case_repair_adds_only_the_decision_launches(monkeypatch):
     against 27 under "off" (RESULTS.md, "sync-audit")."""
     from collections import Counter
 
-    from test_kernels_scalar_step import count_launches
+    from test_kernels_scalar_step import step_launches
 
     _force_triton(monkeypatch)
     params = [torch.nn.Parameter(torch.randn(s)) for s in ((16, 24), (16, 24), (30, 8))]
-    with count_launches(monkeypatch) as (launches, ops):
-        for cls in (no.SFNorMuon, no.Muon):
-            opt = cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused")
-            seen = {}
-            for policy in ("repair", "off", "repair"):  # (the first steps build state and the count block)
-                opt.resolution_policy = policy
-                for q in params:
-                    q.grad = torch.randn_like(q)
-                opt.step()
-                launches.clear()
-                ops.clear()
-                opt.step()
-                seen[policy] = (Counter(ops), Counter(launches))
-            (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
-            assert rep_ops == off_ops, (rep_ops, off_ops)
-            assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
-            assert off_launch == Counter(["_msq_kernel", "_norm_kernel", "_write_kernel", "_rows_kernel",
-                                          "_scale_kernel", "_apply_kernel"])
+    for cls in (no.SFNorMuon, no.Muon):
+        seen = step_launches(monkeypatch, cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused"),
+                             params)
+        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+        assert rep_ops == off_ops, (rep_ops, off_ops)
+        assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
+        assert off_launch == Counter(["_msq_kernel", "_norm_kernel", "_write_kernel", "_rows_kernel",
+                                      "_scale_kernel", "_apply_kernel"])
 
 
 def _define(device, marks=()):
@@ -228,12 +210,6 @@ else:
     def test_gpu_fused_spectral_step_never_syncs(cls):
         params = [torch.randn(300, 70, device="cuda", requires_grad=True),
                   torch.randn(64, 64, device="cuda", requires_grad=True)]
-        opt = cls([{"params": params, "path": "spectral"}], lr=1e-2, impl="fused")
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        from test_kernels_scalar_step import steps_never_sync
+
+        steps_never_sync(cls([{"params": params, "path": "spectral"}], lr=1e-2, impl="fused"), params)

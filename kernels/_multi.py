@@ -1,0 +1,137 @@
+"""What every multi-tensor Triton launch of ``impl="fused"`` shares (``scalar_step.py``, ``spectral_step.py``).
+
+A group's tensors are reached through an int64 table of their addresses, four columns per tensor, turned
+back into typed pointers in the kernel (:func:`_column`); flat launches run one program per block of one
+tensor (:func:`_block`, over the static :func:`_layout` of the group's sizes). Math is fp32 whatever the
+storage dtype: :func:`_load` widens and :func:`_store` rounds once, to nearest even also under the
+interpreter (:func:`._cast.cast_rtne`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nonans_optim._transfer import to_device
+from nonans_optim.resolution import STAGE_INDEX, STAGES
+
+from ._cast import cast_rtne
+from ._runtime import interpreting
+
+__all__ = ["supported", "address_table"]
+
+# Offsets inside one parameter's (S, 2) [nan, inf] row of the dense count block (resolution.STAGES).
+_GRAD_NAN = tl.constexpr(2 * STAGE_INDEX["grad"])
+_GRAD_INF = tl.constexpr(2 * STAGE_INDEX["grad"] + 1)
+_MOMENT_INF = tl.constexpr(2 * STAGE_INDEX["moment"] + 1)
+_DIR_NAN = tl.constexpr(2 * STAGE_INDEX["direction"])
+_DIR_INF = tl.constexpr(2 * STAGE_INDEX["direction"] + 1)
+_UPDATE_NAN = tl.constexpr(2 * STAGE_INDEX["update"])
+_UPDATE_INF = tl.constexpr(2 * STAGE_INDEX["update"] + 1)
+_SPIKE = tl.constexpr(2 * STAGE_INDEX["spike"] + 1)
+_ROW = tl.constexpr(2 * len(STAGES))
+
+
+@triton.jit
+def _finite(x):
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch.lerp's formula (aten/src/ATen/native/Lerp.h): exact at both ends, so lerp(m, m, w) == m."""
+    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+
+
+@triton.jit
+def _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK: tl.constexpr):
+    """This program's id, its tensor, the block's first entry in that tensor, and how many entries are left
+    from there (at least BLOCK except in a tensor's last block)."""
+    pid = tl.program_id(0)
+    t = tl.load(BLOCK_TENSOR + pid)
+    start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
+    return pid, t, start, tl.load(NUMEL + t) - start
+
+
+@triton.jit
+def _column(ADDR, t, COLUMN: tl.constexpr, TY: tl.constexpr, start, ALIGNED: tl.constexpr):
+    """Typed pointer to the block's first entry in one column of the address table (column 1: g).
+
+    An address read from memory tells the compiler nothing about its alignment, so it would emit one
+    scalar access per entry; ALIGNED (the host checked every address is 16-byte aligned) restores the
+    128-bit vector accesses a pointer argument gets from the JIT's specialisation."""
+    base = tl.load(ADDR + t * 4 + COLUMN).to(tl.pointer_type(TY))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+    return base + start
+
+
+@triton.jit
+def _load(ptr, idx, mask, MASKED: tl.constexpr):
+    """fp32 block; only a tensor's last block is masked (a mask from a loaded length would also stop the
+    compiler from vectorising the full blocks)."""
+    if MASKED:
+        x = tl.load(ptr + idx, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptr + idx)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, idx, x, mask, TY: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + idx, cast_rtne(x, TY, EMULATE), mask=mask)
+    else:
+        tl.store(ptr + idx, cast_rtne(x, TY, EMULATE))
+
+
+@triton.jit
+def _count(cond, mask, MASKED: tl.constexpr):
+    if MASKED:
+        cond = cond & mask
+    return tl.sum(cond.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _add_count(ROW, OFFSET: tl.constexpr, n):
+    if n > 0:
+        tl.atomic_add(ROW + OFFSET, n.to(tl.int64))
+
+
+def supported(tensors: list[torch.Tensor]) -> bool:
+    """True when one launch can take these tensors: one floating dtype the kernels implement, contiguous,
+    all on one device (a CUDA device, or the CPU under the Triton interpreter)."""
+    first = tensors[0]
+    dtype, index = first.dtype, first.get_device()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if not (first.is_cuda or (first.is_cpu and interpreting())):
+        return False
+    # Run every step over all of a group's tensors (4 per parameter), so written for the host's time: list
+    # comprehensions and get_device() (an int) instead of one generator comparing torch.device objects took
+    # 66 -> ~38 us for 208 tensors. A device index alone cannot tell cuda:0 from another backend's 0; a
+    # parameter group never mixes backends (torch's foreach ops refuse it before this runs).
+    return (all([t.dtype == dtype for t in tensors]) and all([t.get_device() == index for t in tensors])
+            and all([t.is_contiguous() for t in tensors]))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(numels: tuple[int, ...], block: int, device: str):
+    """(numel, first block of each tensor + total, owning tensor of each block) on ``device``, built once per
+    group shape: the layout is static while the addresses (gradients are new tensors every backward) are not."""
+    blocks = [triton.cdiv(n, block) for n in numels]
+    first = torch.tensor([0] + blocks, dtype=torch.int64).cumsum(0)
+    owner = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(blocks))
+    return (to_device(torch.tensor(numels, dtype=torch.int64), device), to_device(first, device),
+            to_device(owner, device), int(first[-1]))  # (pinned: no sync, even the first time)
+
+
+def address_table(addresses: list[int], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The (n, 4) int64 address table on ``device`` from a flat row-major list of addresses, and whether
+    every address is 16-byte aligned (the kernels' ALIGNED). Pinned on the host (torch's caching host
+    allocator: no allocation per step once warm), so the copy is truly asynchronous; the allocator keeps
+    the block until the copy has run. A flat list, then a view: nested lists cost about 1.5x the host time."""
+    host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").view(-1, 4)
+    return host.to(device, non_blocking=True), bool((host % 16 == 0).all())
