@@ -30,8 +30,9 @@ Launches per group (no host synchronisation: each decision is read from device m
 "off" issues the six launches of ``_msq_kernel`` … ``_apply_kernel``; "repair" adds the two decision
 launches (and the optimizer's one-launch record after the step). ``_write_kernel`` is the first persistent
 write: a launch failing before it (a compile error on another Triton version) leaves the optimizer as it
-was and the caller falls back to ``impl="compiled"``; one of the three after it would raise with the
-buffers already advanced (the kernels compile ahead of time for sm_90 in CI: tests/test_kernels_aot.py).
+was and the caller falls back to ``impl="compiled"``. The three kernels after it are therefore compiled
+before it, once per configuration (:func:`spectral_post_` with ``warmup``), so that their compile errors
+surface while nothing has been written.
 
 Tensors are reached through int64 address tables (four columns; column 1 is the gradient, which the shared
 statistics kernel reads): pre (buffer, g, X slot, row moment v) and post (p, g, z, O slot). Parameters,
@@ -61,7 +62,7 @@ from ._runtime import interpreting, on_device, tl_dtype
 from ._spectral_post import _apply_kernel, _rows_kernel, _scale_kernel
 from .scalar_step import _RBLOCK, decisions
 
-__all__ = ["spectral_pre_", "spectral_post_", "supported", "PreResult"]
+__all__ = ["spectral_prepare_", "spectral_write_", "spectral_post_", "supported", "PreResult"]
 
 _BLOCK_C = 32 if interpreting() else 1024  # columns per iteration of the row loop
 
@@ -222,15 +223,18 @@ class PreResult:
     dec_flags: torch.Tensor | None
     sel: torch.Tensor | None
     res: tuple | None
+    write: tuple  # (grid, args, constexprs) of the pending _write_kernel launch (spectral_write_)
 
 
-def spectral_pre_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.dtype, nesterov: bool,
-                  policy: str, factor: float | None) -> PreResult:
-    """The momentum side of a group's step: the spike guard and decisions (not under "off"), the momentum
-    buffers (in place) and the NS5 inputs, one (B, m, n) stack in ``hot`` per bucket of ``buckets``
-    (``_compiled_spectral._buckets``: member positions, tall) in the parameters' own layout, each matrix
-    at unit Frobenius norm. ``hp`` = [1-μ, μ] (fp32, on the device); ``res``/``sel`` as for
-    ``scalar_step.scalar_step_`` (None under "off"); ``vs`` the NorMuon row moments or Nones."""
+def spectral_prepare_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.dtype, nesterov: bool,
+                      policy: str, factor: float | None) -> PreResult:
+    """The read-only launches of the momentum side: the spike guard and decisions (not under "off") and
+    1/‖M‖ per matrix — nothing persistent is written, so a failure here leaves the optimizer as it was.
+    :func:`spectral_write_` then writes the momentum buffers and the NS5 inputs: one (B, m, n) stack in
+    ``hot`` per bucket of ``buckets`` (``_compiled_spectral._buckets``: member positions, tall) in the
+    parameters' own layout, each matrix at unit Frobenius norm. ``hp`` = [1-μ, μ] (fp32, on the device);
+    ``res``/``sel`` as for ``scalar_step.scalar_step_`` (None under "off"); ``vs`` the NorMuon row moments
+    or Nones."""
     code = policy_code(policy)
     if (res is None) != (code == 0):
         raise ValueError("res must be given exactly when the policy is not 'off'")
@@ -259,21 +263,36 @@ def spectral_pre_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.
         _msq_kernel[(nblocks,)](addr, numel, first, owner, hp, dec if guard else dummy, msq, num_warps=warps,
                                 enable_fp_fusion=False, **kinds)
         _norm_kernel[(len(grads),)](msq, first, inv, RBLOCK=_RBLOCK, num_warps=1, enable_fp_fusion=False)
-        _write_kernel[(nblocks,)](addr, numel, first, owner, hp, inv,
-                                  *(dummy if x is None else x for x in (sel, dec, dec_flags,
-                                                                         res[2] if gate else None,
-                                                                         res[3] if gate else None)),
-                                  X_TY=tl_dtype(hot), num_warps=warps, enable_fp_fusion=False, **kinds)
-    return PreResult(inputs, addr, dec_flags, sel, res)
+    write = ((nblocks,), (addr, numel, first, owner, hp, inv,
+                          *(dummy if x is None else x for x in (sel, dec, dec_flags, res[2] if gate else None,
+                                                                 res[3] if gate else None))),
+             dict(X_TY=tl_dtype(hot), num_warps=warps, enable_fp_fusion=False, **kinds))
+    return PreResult(inputs, addr, dec_flags, sel, res, write)
+
+
+def spectral_write_(pre: PreResult) -> None:
+    """The first persistent write of the step: the momentum buffers (and a guard's EMA and spike count)
+    and the NS5 input stacks ``pre.inputs``."""
+    grid, args, constexprs = pre.write
+    with on_device(pre.inputs[0]):
+        _write_kernel[grid](*args, **constexprs)
 
 
 def spectral_post_(pre: PreResult, outs, params, grads, zs, gamma, hp, *, buckets, shapes, normuon: bool,
-                   sf: bool, decay: bool) -> None:
+                   sf: bool, decay: bool, warmup: bool = False) -> None:
     """The direction side: from each bucket's NS5 output in ``outs`` ((B, m, n), the parameters' layout),
-    NorMuon (the row moments given to :func:`spectral_pre_`, updated in place) or RMS matching, the
+    NorMuon (the row moments given to :func:`spectral_prepare_`, updated in place) or RMS matching, the
     (schedule-free) update of ``params`` (and ``zs``) with the update guard, and the direction and update
     counts (kernels in :mod:`._spectral_post`). ``hp`` = [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] (fp32,
-    on the device), ``gamma`` the 0-d fp32 step size there."""
+    on the device), ``gamma`` the 0-d fp32 step size there. ``warmup``: compile the three kernels for
+    these arguments without running them (``outs`` may then be ``pre.inputs``: same dtype and shapes), so
+    that a compile error surfaces before :func:`spectral_write_` has written anything."""
+    def launch(kernel, grid, *args, **constexprs):
+        if warmup:
+            kernel.warmup(*args, grid=grid, **constexprs)
+        else:
+            kernel[grid](*args, **constexprs)
+
     device = params[0].device
     block, warps = elementwise_block()
     numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
@@ -294,16 +313,14 @@ def spectral_post_(pre: PreResult, outs, params, grads, zs, gamma, hp, *, bucket
     dummy = row_sq  # never dereferenced without GATE
     scale, dense = (pre.res[0], pre.res[3]) if gate else (None, None)
     with on_device(params[0]):
-        _rows_kernel[(total_rows,)](pre.addr, post, row_first, row_owner, ncols, hp,
-                                    pre.dec_flags if gate else dummy, row_inv, row_sq, row_sum, NORMUON=normuon,
-                                    GATE=gate, G_TY=tl_dtype(grads[0].dtype), O_TY=o_ty,
-                                    ROWS_ALIGNED=aligned and all(n % 8 == 0 for _, n in shapes), BLOCK_C=_BLOCK_C,
-                                    num_warps=4, enable_fp_fusion=False)
-        _scale_kernel[(len(params),)](row_first, target, row_inv, row_sq, row_sum, pre.sel if gate else dummy,
-                                      dense if gate else dummy, factor, GATE=gate, RBLOCK=_RBLOCK, num_warps=1,
-                                      enable_fp_fusion=False)
-        _apply_kernel[(nblocks,)](post, numel, first, owner, row_first, ncols, row_inv, factor, hp, gamma,
-                                  *(dummy if x is None else x for x in (scale, pre.sel, pre.dec_flags, dense)),
-                                  P_TY=tl_dtype(params[0].dtype), O_TY=o_ty, SF=sf, DECAY=decay, GATE=gate,
-                                  ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, num_warps=warps,
-                                  enable_fp_fusion=False)
+        launch(_rows_kernel, (total_rows,), pre.addr, post, row_first, row_owner, ncols, hp,
+               pre.dec_flags if gate else dummy, row_inv, row_sq, row_sum, NORMUON=normuon, GATE=gate,
+               G_TY=tl_dtype(grads[0].dtype), O_TY=o_ty, ROWS_ALIGNED=aligned and all(n % 8 == 0 for _, n in shapes),
+               BLOCK_C=_BLOCK_C, num_warps=4, enable_fp_fusion=False)
+        launch(_scale_kernel, (len(params),), row_first, target, row_inv, row_sq, row_sum,
+               pre.sel if gate else dummy, dense if gate else dummy, factor, GATE=gate, RBLOCK=_RBLOCK, num_warps=1,
+               enable_fp_fusion=False)
+        launch(_apply_kernel, (nblocks,), post, numel, first, owner, row_first, ncols, row_inv, factor, hp, gamma,
+               *(dummy if x is None else x for x in (scale, pre.sel, pre.dec_flags, dense)),
+               P_TY=tl_dtype(params[0].dtype), O_TY=o_ty, SF=sf, DECAY=decay, GATE=gate, ALIGNED=aligned,
+               EMULATE=interpreting(), BLOCK=block, num_warps=warps, enable_fp_fusion=False)

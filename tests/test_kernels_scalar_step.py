@@ -249,9 +249,10 @@ def break_kernel(monkeypatch, module, name: str) -> None:
 
     class Broken:
         def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("simulated compile failure")
-            return launch
+            return self.warmup
+
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("simulated compile failure")
 
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     monkeypatch.setattr(_fused_triton, "_FAILED", [])

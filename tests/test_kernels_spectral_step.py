@@ -120,14 +120,17 @@ def case_clean_repair_is_off(device, monkeypatch):
         assert torch.equal(p, q)
 
 
-def case_launch_failure_falls_back(device, monkeypatch):
-    """The buffer write is the first persistent write: a launch that fails there (a compile error on
-    another Triton version) leaves nothing half-done — one warning, the step counts put back — and the
-    step and every later one run impl="compiled", matching impl="loop"."""
+def case_launch_failure_falls_back(device, kernel, monkeypatch):
+    """The buffer write is the first persistent write: a kernel that fails to compile there, or in the
+    direction side after it (compiled ahead, before the write), leaves nothing half-done — one warning,
+    the step counts put back — and the step and every later one run impl="compiled", matching
+    impl="loop"."""
     from nonans_optim.kernels import spectral_step as k
+    from nonans_optim.optimizers import _fused_triton
     from test_kernels_scalar_step import break_kernel
 
-    break_kernel(monkeypatch, k, "_write_kernel")  # after the decisions, msq and norm launches
+    monkeypatch.setattr(_fused_triton, "_COMPILED", set())
+    break_kernel(monkeypatch, k, kernel)
     ref, ref_opt = _run("loop", no.SFNorMuon, "repair", device=device)
     with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
         got, got_opt = _run("fused", no.SFNorMuon, "repair", device=device)
@@ -180,8 +183,9 @@ def _define(device, marks=()):
         case_clean_repair_is_off(device, monkeypatch)
 
     @mark
-    def test_launch_failure_falls_back(monkeypatch):
-        case_launch_failure_falls_back(device, monkeypatch)
+    @pytest.mark.parametrize("kernel", ["_write_kernel", "_apply_kernel"])
+    def test_launch_failure_falls_back(kernel, monkeypatch):
+        case_launch_failure_falls_back(device, kernel, monkeypatch)
 
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_clean_repair_is_off, test_launch_failure_falls_back)

@@ -88,6 +88,24 @@ def _failed(err: Exception, states: list[dict]) -> None:
 
 
 _SPECTRAL = frozenset({"ns5", "normuon", "sf"})
+_SHAPES: dict[tuple, tuple] = {}
+
+
+def _group_shapes(params: list[torch.Tensor]) -> tuple:
+    """(matrix shapes, NS5 buckets, sizes, row counts) of a group, computed once per list of parameter
+    shapes: static for a group, and recomputing them cost about a tenth of this path's host time per step."""
+    key = tuple(p.shape for p in params)
+    if key not in _SHAPES:
+        if len(_SHAPES) > 64:
+            _SHAPES.clear()
+        shapes = [matrix_shape(p) for p in params]
+        _SHAPES[key] = (shapes, _buckets(params), [p.numel() for p in params], [m for m, _ in shapes])
+    return _SHAPES[key]
+
+
+# Spectral configurations (and group shapes) whose direction kernels have compiled. A specialisation
+# Triton first meets later (say, a differently aligned tensor) still compiles at its own launch.
+_COMPILED: set[tuple] = set()
 
 
 def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
@@ -111,30 +129,39 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     if not k.supported(params, grads, bufs, zs, vs) or gamma.device != device \
             or hot not in (torch.float32, torch.bfloat16):
         return False
-    sizes = [p.numel() for p in params]
+    shapes, buckets, sizes, rows = _group_shapes(params)
     check_sizes(sizes, "momentum_buffer", bufs)
-    shapes = [matrix_shape(p) for p in params]
     if sf:
         check_sizes(sizes, "z", zs)
     if normuon:
-        check_sizes([s[0] for s in shapes], "normuon_row_sq", vs)
+        check_sizes(rows, "normuon_row_sq", vs)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
-    buckets = _buckets(params)
     host_steps(states)
     sel, res, factor = resolution_args(ctx, indices, device, recent_rule=True)
-    hp_pre = to_device(torch.tensor([1 - group["momentum"], group["momentum"]], dtype=torch.float32), device)
-    hp_post = to_device(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"], group["weight_decay"], c,
-                                      group["sf_beta"] * (1 - c) - 1], dtype=torch.float32), device)
+    # one host→device copy: [1-μ, μ] for the momentum side, [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] for the direction side
+    hp = to_device(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["normuon_beta2"],
+                                 group["normuon_eps"], group["weight_decay"], c, group["sf_beta"] * (1 - c) - 1],
+                                dtype=torch.float32), device)
+    hp_pre, hp_post = hp[:2], hp[2:]
+    post = dict(buckets=buckets, shapes=shapes, normuon=normuon, sf=sf, decay=group["weight_decay"] != 0)
+    key = (str(device), hot, bufs[0].dtype, policy, factor is None, group["nesterov"], normuon, sf, post["decay"],
+           tuple(sizes), tuple(rows))
+    gamma = gamma.float()
     try:
-        pre = k.spectral_pre_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes, hot=hot,
-                              nesterov=group["nesterov"], policy=policy, factor=factor)
+        pre = k.spectral_prepare_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes, hot=hot,
+                                  nesterov=group["nesterov"], policy=policy, factor=factor)
+        if key not in _COMPILED:  # the direction side's compile errors, before the first persistent write
+            k.spectral_post_(pre, pre.inputs, params, grads, zs, gamma, hp_post, warmup=True, **post)
+            if len(_COMPILED) > 64:
+                _COMPILED.clear()
+            _COMPILED.add(key)
+        k.spectral_write_(pre)
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
         _failed(err, states)
         return False
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
     outs = [iterate(X, coefficients, tall=tall).contiguous() for X, (_, tall) in zip(pre.inputs, buckets)]
-    k.spectral_post_(pre, outs, params, grads, zs, gamma.float(), hp_post, buckets=buckets, shapes=shapes,
-                     normuon=normuon, sf=sf, decay=group["weight_decay"] != 0)
+    k.spectral_post_(pre, outs, params, grads, zs, gamma, hp_post, **post)
     mark_written(params, bufs, [z for z in zs if z is not None], [v for v in vs if v is not None],
                  resolution_written(ctx))
     return True
