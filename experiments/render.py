@@ -43,6 +43,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "ns5-method": ("ns5_method.json", "experiments.ns5_method:render"),
     "simd": ("simd.json", "experiments.simd:render"),
     "simd-avx512": ("simd_avx512.json", "experiments.simd:render"),
+    "aliasing": ("aliasing.json", "experiments.aliasing:render"),
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
     "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),

@@ -216,3 +216,38 @@ def test_simd_quick(tmp_path):
         for r in b["rows"]:
             assert _finite_positive(r["off_ms"]) and _finite_positive(r["repair"]["median"])
             assert ("off_vs_torch_fused" in r) == (r["optimizer"] == "AdamW")
+
+
+def test_aliasing_layouts_are_realised():
+    """The aliasing experiment's premise: each layout's four arrays really sit at their offsets mod 4096
+    (``build`` raises otherwise), and a page view is a contiguous view of the size asked for."""
+    from experiments.aliasing import LAYOUTS, PAGE, build, page_view
+    import nonans_optim as no
+
+    for off in (0, 4, 64, PAGE - 4):
+        t = page_view(37, off)
+        assert t.is_contiguous() and t.numel() == 37 and t.data_ptr() % PAGE == off
+    with pytest.raises(ValueError, match="multiple of 4"):
+        page_view(8, 2)
+    for cls in (no.AdamW, no.SFAdamW):
+        for offsets in LAYOUTS.values():
+            opt = build(cls, 300, offsets)
+            (p,) = opt.param_groups[0]["params"]
+            state = opt.state[p]
+            second = state["z" if cls is no.SFAdamW else "exp_avg"]
+            assert [t.data_ptr() % PAGE for t in (p, p.grad, second, state["exp_avg_sq"])] == list(offsets)
+
+
+@pytest.mark.slow
+def test_aliasing_quick(tmp_path):
+    from experiments.aliasing import LAYOUTS, render
+
+    data = _run("aliasing", tmp_path)
+    assert data["command"] == "python -m experiments aliasing --quick"
+    assert {(r["optimizer"], r["layout"]) for r in data["rows"]} == {
+        (o, lay) for o in ("AdamW", "SFAdamW") for lay in LAYOUTS}
+    for r in data["rows"]:
+        assert _finite_positive(r["off_ms"]) and _finite_positive(r["repair_ms"])
+        assert r["repair_vs_off_low"] <= r["repair_vs_off"] <= r["repair_vs_off_high"]
+    data["baseline"] = {k: data[k] for k in ("command", "commit", "machine", "rows")}
+    assert "before: repair / off" in render(data)
