@@ -1,10 +1,12 @@
 /* The AVX-512 form of scalar_step.c's update_block and of pass 1's sum of squares (see simd_avx512.h for
  * when it is compiled in, and why intrinsics). The portable update loop ran 1.7x (AdamW) and 2.5x
  * (SFAdamW) its "off" loop on cache-resident data; this one about 1.05–1.1x (a C driver over 262K
- * entries, one thread), and 1.00–1.03x since it tests vectors in pairs with the lerp form fixed at
- * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits. The pairs' test
- * moved from the new values to the loaded ones and the new v (early_bad_), which took SFAdamW from
- * about 1.025x to 1.007x (same driver, 262K entries, best of 36 alternations).
+ * entries, one thread), and 1.00–1.03x once it tested vectors in pairs with the lerp form fixed at
+ * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits. The test moved
+ * from the new values to the loaded ones and the new v (early_fold_), which took SFAdamW from about
+ * 1.025x to 1.007x (same driver, 262K entries, best of 36 alternations). Those drivers held one layout
+ * of the arrays in memory; across layouts (4K aliasing, vec_quad_) the ratio moved far more, and the
+ * clean loops of both policies now take four vectors per step.
  *
  * Pass 1's sum of squares runs four independent vector accumulators (one chain was latency-bound), the
  * 64 lanes of scalar_step.c's sumsq_portable, added in the same order — the guard's scale, and so every
@@ -132,6 +134,7 @@ static inline __attribute__((always_inline)) void vec_update_(
 #define MAXABS_ 0x0B
 /* VFPCLASSPS categories a new v must not fall in: NaN, ±Inf and negative finite (-0 is fine). */
 #define NOT_V_ (NONFINITE_ | 0x40)
+#define QUAD_ 4 /* vectors per step of the clean loop (vec_quad_) */
 
 /* The early form of the speculation test, on values that are ready soon after the loads: every input's
  * magnitude (g, p, and z or m) at most k->lim (clean_limit_), and the new v finite and not negative.
@@ -140,38 +143,67 @@ static inline __attribute__((always_inline)) void vec_update_(
  * Why not the late test's sum: it waits for y and z, the last values of a divide-and-square-root chain,
  * and on Zen 4 testing them cost SFAdamW's cache-resident loop about 2.5% where this test costs under 1%
  * (a C driver over 262K entries, one thread, best of 36 alternations: 1.025 → 1.007; AdamW 1.005 → 0.996).
- * More operations, but none of them waits on the chain. */
-static inline __attribute__((always_inline)) __mmask16 early_bad_(const int sf, const vin_t *a, const vin_t *b,
-                                                                   __m512 vna, __m512 vnb, const vhyper_t *k) {
-    const __m512 st = sf ? _mm512_range_ps(a->zo, b->zo, MAXABS_) : _mm512_range_ps(a->mo, b->mo, MAXABS_);
-    const __m512 r = _mm512_range_ps(_mm512_range_ps(a->gr, b->gr, MAXABS_),
-                                     _mm512_range_ps(_mm512_range_ps(a->po, b->po, MAXABS_), st, MAXABS_), MAXABS_);
-    return _mm512_cmp_ps_mask(r, k->lim, _CMP_NLE_UQ) | _mm512_fpclass_ps_mask(vna, NOT_V_) |
-           _mm512_fpclass_ps_mask(vnb, NOT_V_);
+ * More operations, but none of them waits on the chain. early_fold_ folds one vector into the running
+ * maximum magnitude mx and the failed-class mask vbad, so that the inputs need not stay live for the test. */
+static inline __attribute__((always_inline)) void early_fold_(const int sf, const vin_t *x, __m512 vn, __m512 *mx,
+                                                               __mmask16 *vbad) {
+    const __m512 st = sf ? x->zo : x->mo;
+    *mx = _mm512_range_ps(*mx, _mm512_range_ps(_mm512_range_ps(x->gr, x->po, MAXABS_), st, MAXABS_), MAXABS_);
+    *vbad |= _mm512_fpclass_ps_mask(vn, NOT_V_);
 }
 
-/* Two full vectors at j and j + 16 of the clean gated loop, tested together — early (early_bad_), or
- * where the hyperparameters give no bound, late: one test of the sum of both vectors' sums (non-finite if
- * any term is). Only a pair that fails takes the exact path, vector by vector. Half the tests and branches
- * of vec_update_ on the path every clean step takes. */
-static inline __attribute__((always_inline)) void vec_pair_(
-        const int sf, const int decay_z, const int early, float *restrict p, const float *restrict g,
+/* The exact path of a quad that failed its test: reloaded (nothing of it has been stored), computed with
+ * the gates and stored, vector by vector. Out of line and cold, so that the hot loop keeps no registers
+ * for it. */
+static __attribute__((noinline, cold)) void quad_exact_(
+        const int sf, const int decay_z, float *restrict p, const float *restrict g, float *restrict m,
+        float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb, int64_t *un, int64_t *ub) {
+    const __mmask16 all = (__mmask16)0xFFFF;
+    for (int q = 0; q < QUAD_; q++) {
+        const vin_t x = vin_load_(sf, 1, all, p, g, m, v, z, j + 16 * q, k);
+        __m512 vn, mn, y, zn = x.zo;
+        vec_exact_(sf, decay_z, &x, all, k, 0, 0, &vn, &mn, &y, &zn, vb, un, ub);
+        vec_store_(sf, 1, all, p, m, v, z, j + 16 * q, vn, mn, y, zn);
+    }
+}
+
+/* Four full vectors at j … j + 48 of a clean loop, "off" (gate 0) and the gated one alike: every load and
+ * all the arithmetic first, then one test for the four — early (early_fold_), or where the hyperparameters
+ * give no bound, late (the sum of their vcheck_ sums) —, then the stores; a quad that fails takes
+ * quad_exact_ instead of the stores.
+ *
+ * Why four, loads before stores, for "off" too: 4K aliasing. A load whose address matches an older store's
+ * in its low 12 bits waits for that store, although the addresses differ; a vector-at-a-time loop whose
+ * stored array (p, or m/z) sits one cache line ahead of a loaded one (g, v, ...) modulo 4096 has every
+ * iteration's loads wait on the previous iteration's stores, whose values end the divide-and-square-root
+ * chain. Where the arrays sit is the allocator's choice, so the loop's speed was a per-process lottery:
+ * ``python -m experiments aliasing`` (RESULTS.md, "aliasing") measured the vector-at-a-time "off" loop at
+ * up to 1.32x its aligned time and the former two-vector gated loop at up to 1.17x, which moved repair/off
+ * between 0.88 and 1.07 from one layout to another. With four vectors per step only one boundary in four
+ * can stall, and both policies run the same loop shape, so a layout slows both alike. */
+static inline __attribute__((always_inline)) void vec_quad_(
+        const int sf, const int gate, const int decay_z, const int early, float *restrict p, const float *restrict g,
         float *restrict m, float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb,
         int64_t *un, int64_t *ub) {
     const __mmask16 all = (__mmask16)0xFFFF;
-    const vin_t a = vin_load_(sf, 1, all, p, g, m, v, z, j, k), b = vin_load_(sf, 1, all, p, g, m, v, z, j + 16, k);
-    __m512 vna, mna, ya, zna = a.zo, vnb, mnb, yb, znb = b.zo;
-    arith_(sf, decay_z, 0, a.gs, a.vo, a.mo, a.po, a.zo, 0, all, k, &vna, &mna, &ya, &zna, vb);
-    arith_(sf, decay_z, 0, b.gs, b.vo, b.mo, b.po, b.zo, 0, all, k, &vnb, &mnb, &yb, &znb, vb);
-    const __mmask16 bad = early ? early_bad_(sf, &a, &b, vna, vnb, k)
-                                : _mm512_fpclass_ps_mask(_mm512_add_ps(vcheck_(sf, vna, ya, zna),
-                                                                       vcheck_(sf, vnb, yb, znb)), NONFINITE_);
-    if (__builtin_expect(bad != 0, 0)) {
-        vec_exact_(sf, decay_z, &a, all, k, 0, 0, &vna, &mna, &ya, &zna, vb, un, ub);
-        vec_exact_(sf, decay_z, &b, all, k, 0, 0, &vnb, &mnb, &yb, &znb, vb, un, ub);
+    __m512 vn[QUAD_], mn[QUAD_], y[QUAD_], zn[QUAD_], mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+    __mmask16 vbad = 0;
+    for (int q = 0; q < QUAD_; q++) {
+        const vin_t x = vin_load_(sf, 1, all, p, g, m, v, z, j + 16 * q, k);
+        zn[q] = x.zo;
+        arith_(sf, decay_z, 0, x.gs, x.vo, x.mo, x.po, x.zo, 0, all, k, &vn[q], &mn[q], &y[q], &zn[q], vb);
+        if (gate && early) early_fold_(sf, &x, vn[q], &mx, &vbad);
+        else if (gate) sum = _mm512_add_ps(sum, vcheck_(sf, vn[q], y[q], zn[q]));
     }
-    vec_store_(sf, 1, all, p, m, v, z, j, vna, mna, ya, zna);
-    vec_store_(sf, 1, all, p, m, v, z, j + 16, vnb, mnb, yb, znb);
+    if (gate) {
+        const __mmask16 bad = early ? _mm512_cmp_ps_mask(mx, k->lim, _CMP_NLE_UQ) | vbad
+                                    : _mm512_fpclass_ps_mask(sum, NONFINITE_);
+        if (__builtin_expect(bad != 0, 0)) {
+            quad_exact_(sf, decay_z, p, g, m, v, z, j, k, vb, un, ub);
+            return;
+        }
+    }
+    for (int q = 0; q < QUAD_; q++) vec_store_(sf, 1, all, p, m, v, z, j + 16 * q, vn[q], mn[q], y[q], zn[q]);
 }
 
 /* The vectors of [b0, b1), with the lerp form (small: the uniform weight, β₁'s 1-β₁ for AdamW or the
@@ -186,8 +218,9 @@ static inline __attribute__((always_inline)) void vec_loop_(
     vhyper_t k = *k0;
     if (sf) k.u.small_c = small; else k.small_w = small;
     int64_t j = b0;
-    if (gate && !exact)
-        for (; j + 32 <= b1; j += 32) vec_pair_(sf, decay_z, early, p, g, m, v, z, j, &k, vb, un, ub);
+    if (!exact) /* the tail of fewer than QUAD_ vectors goes vector by vector */
+        for (; j + 16 * QUAD_ <= b1; j += 16 * QUAD_)
+            vec_quad_(sf, gate, decay_z, early, p, g, m, v, z, j, &k, vb, un, ub);
     for (; j + 16 <= b1; j += 16)
         vec_update_(sf, gate, decay_z, 1, exact, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, vb, un,
                     ub);

@@ -28,7 +28,7 @@ typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
 } hyper_t;
 
-/* The magnitude bound of the SIMD loops' early tests (early_bad_ in scalar_avx512.h; input_limit_ in
+/* The magnitude bound of the SIMD loops' early tests (early_fold_ in scalar_avx512.h; input_limit_ in
  * scalar_avx2.h, which tightens it) for one tensor's block: the largest L such that, when |g|, |p| and |z|
  * (AdamW: |m|) are at most L and the new v is finite and not negative, every value the stock arithmetic
  * computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias

@@ -12,7 +12,7 @@
  * of the new values (a NaN or ±Inf in any term makes the sum non-finite), and only a vector that fails —
  * none on a clean step — is recomputed with the gates and counted (POPCNT on the integer ports). The
  * (SF-)AdamW loop tests most vectors earlier still, on the inputs' magnitudes (scalar_avx512.h,
- * early_bad_). */
+ * early_fold_). */
 #ifndef NONANS_SIMD_AVX512_H
 #define NONANS_SIMD_AVX512_H
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(NONANS_PORTABLE) && !defined(NONANS_NO_AVX512)
