@@ -14,7 +14,11 @@ SFAdamW "off" optimizers paired 1.06 and a third 0.96 over 60 rounds. Issue 3's 
   kept and "off" does not touch it). Both arms step the very same tensors, so placement cannot differ
   between them — but a placement can still favour one code path over the other (the gated loop and the
   stock one stream the same arrays with different instruction mixes), so one build's ratio is the code
-  path's cost *at that placement*.
+  path's cost *at that placement*. Measured since (``python -m experiments aliasing``, RESULTS.md
+  "aliasing"): with the arrays at fixed offsets modulo 4096, the AVX-512 loops as they were then ran up to
+  1.32x their aligned time ("off") and 1.17x ("repair"), and repair/off ranged 0.88–1.07 over six layouts
+  of one tensor — 4K aliasing, which the four-vector loops of nonans_optim/native/scalar_avx512.h remove
+  (every layout within 1.05x, repair/off the same on all of them).
 * **over builds** — both controls run on :data:`BUILDS` independent builds, all alive at once, so each has
   its own addresses: the median over builds is the estimate, and the lowest and highest build show how far
   placement alone moves it (a process gets one placement; which one is luck).
@@ -185,7 +189,8 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
     lines = ["", "**Controls: can this machine resolve 2%?** (`experiments/overhead_controls.py`) A/A: the "
              "row built twice with `resolution=\"off\"`, paired as the table paired repair with off until "
              "2026-11-24 — identical code, so its distance from 1.000 is that design's error on this machine "
-             "(our reading, not measured: the separately built arms' memory placement). Same tensors: one "
+             "(the separately built arms' memory placement; one mechanism of it, 4K aliasing, is measured in the "
+             "\"aliasing\" section). Same tensors: one "
              "optimizer whose policy is switched between \"repair\" and \"off\" between samples, so both arms "
              f"step the very same tensors. Each row runs in {processes} fresh process(es) of its own "
              "(`python -m experiments.overhead_controls --row ROW`; a process that had run other arms before "
