@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import torch
 import nonans_optim as no
 from experiments.overhead_controls import spread, switched
 from experiments.questions_io import fmt, publish, read_json
-from experiments.step_time import ROOT, interleaved, machine_info
+from experiments.step_time import ROOT, interleaved, machine_info, run_child
 
 __all__ = ["LAYOUTS", "page_view", "build", "run", "render", "main"]
 
@@ -105,13 +104,9 @@ def _measure(args) -> dict[str, Any]:
 
 
 def _child(args) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "experiments.aliasing", "--child", "--rounds", str(args.rounds), "--warmup",
-           str(args.warmup), "--sample-ms", str(args.sample_ms), "--threads", str(args.threads), "--entries",
-           str(args.entries)] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
+    return run_child("experiments.aliasing", [
+        "--child", "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--sample-ms", str(args.sample_ms),
+        "--threads", str(args.threads), "--entries", str(args.entries)] + (["--quick"] if args.quick else []))
 
 
 def _commit() -> str:

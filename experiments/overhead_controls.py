@@ -37,13 +37,12 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
 import sys
 from typing import Any, Callable
 
 import torch
 
-from experiments.step_time import ROOT, interleaved
+from experiments.step_time import interleaved, run_child
 
 __all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer", "controls",
            "fresh_controls", "over_builds", "spread", "switched", "render"]
@@ -136,13 +135,10 @@ def fresh_controls(args, names: tuple[str, ...] = CONTROLLED, processes: int | N
     for name in names:
         runs = []
         for _ in range(processes):
-            cmd = [sys.executable, "-m", "experiments.overhead_controls", "--row", name, "--builds", str(builds),
-                   "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--inner", str(args.inner),
-                   "--sample-ms", str(args.sample_ms), "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-            runs.append(json.loads(proc.stdout))
+            runs.append(run_child("experiments.overhead_controls", [
+                "--row", name, "--builds", str(builds), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+                "--inner", str(args.inner), "--sample-ms", str(args.sample_ms), "--threads", str(args.threads)]
+                + (["--quick"] if args.quick else [])))
         per_build = [b for r in runs for b in r["per_build"]]
         rows.append({"optimizer": name, "inner": [r["inner"] for r in runs], "builds": builds,
                      "processes": processes,

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,7 @@ import nonans_optim as no
 from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import fmt, publish
 from experiments.render import SECTIONS
-from experiments.step_time import ROOT, interleaved, machine_info
+from experiments.step_time import ROOT, interleaved, machine_info, run_child
 
 __all__ = ["run", "render", "section", "main", "JSON"]
 
@@ -83,14 +80,9 @@ def _measure(args) -> dict[str, Any]:
 
 
 def _child(mode: str, args) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "experiments.simd", "--child", "--rounds", str(args.rounds), "--warmup",
-           str(args.warmup), "--sample-ms", str(args.sample_ms), "--threads", str(args.threads)]
-    cmd += ["--quick"] if args.quick else []
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "NONANS_NATIVE_SIMD": mode})
-    if proc.returncode != 0:
-        raise RuntimeError(f"NONANS_NATIVE_SIMD={mode} {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
+    return run_child("experiments.simd", [
+        "--child", "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--sample-ms", str(args.sample_ms),
+        "--threads", str(args.threads)] + (["--quick"] if args.quick else []), env={"NONANS_NATIVE_SIMD": mode})
 
 
 def _combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,7 +16,10 @@ import copy
 import datetime
 import os
 import platform
+import json
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -54,6 +57,19 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def run_child(module: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
+    """``python -m module *argv`` in a fresh process (the timing experiments' way to start from nothing:
+    a process that had run other arms moved their ratios), its stdout parsed as JSON; raises with the
+    command and the end of its stderr when it fails. ``env``: variables added to this process's."""
+    cmd = [sys.executable, "-m", module, *argv]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
+    if proc.returncode != 0:
+        prefix = "".join(f"{k}={v} " for k, v in (env or {}).items())
+        raise RuntimeError(f"{prefix}{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
 
 
 def sync(device: torch.device) -> None:
