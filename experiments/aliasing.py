@@ -165,7 +165,8 @@ def render(data: dict[str, Any]) -> str:
     if base:
         lines.append(f"Before: the same command on commit {base['commit']} (measured {base['machine']['date']}), "
                      "embedded in the JSON with `--baseline`.")
-    head = "| optimizer | layout (p, g, m/z, v bytes) | off ms | off / aligned | repair ms | repair / aligned | repair / off |"
+    head = ("| optimizer | layout (p, g, m/z, v bytes) | off ms | off / aligned | repair ms | repair / aligned "
+            "| repair / off |")
     rule = "|---|---|---|---|---|---|---|"
     if base:
         head += " before: off / aligned | before: repair / aligned | before: repair / off |"
