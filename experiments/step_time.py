@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import os
 import platform
-import json
 import statistics
 import subprocess
 import sys

@@ -145,7 +145,7 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     hp_pre, hp_post = hp[:2], hp[2:]
     post = dict(buckets=buckets, shapes=shapes, normuon=normuon, sf=sf, decay=group["weight_decay"] != 0)
     key = (str(device), hot, bufs[0].dtype, policy, factor is None, group["nesterov"], normuon, sf, post["decay"],
-           tuple(sizes), tuple(rows))
+           tuple(shapes))  # the matrix shapes determine the sizes and row counts too
     gamma = gamma.float()
     try:
         pre = k.spectral_prepare_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes, hot=hot,
