@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nonans_optim.functional.spike import SPIKE_BETA
+from nonans_optim.functional.spike import SPIKE_BETA, TINY
 from nonans_optim.resolution import STAGES, RecentRule
 
 from ._elementwise import elementwise_block, kept_finite, policy_code
@@ -53,6 +53,7 @@ _RBLOCK = 64 if interpreting() else 1024  # partials summed per iteration of the
 _S = len(STAGES)
 # at import: on triton 3.6 next_power_of_2 is a constexpr function, whose host-side call costs microseconds
 _S_PAD = triton.next_power_of_2(_S)
+_TINY = tl.constexpr(TINY)  # the guard's smallest scale (functional/spike.py): one definition for every path
 
 
 @triton.jit
@@ -138,8 +139,7 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
         trig = fin & seeded & (norm > cap64)
         # at least the smallest fp32 subnormal (2^-149): a capped ±Inf entry stays ±Inf, as in spike_scale
         # (the divisor replaced where the guard does not fire: a zero norm would divide by zero)
-        scale = tl.where(trig, tl.maximum(cap64 / tl.where(trig, norm, 1.0), 1.401298464324817e-45).to(tl.float32),
-                         1.0)
+        scale = tl.where(trig, tl.maximum(cap64 / tl.where(trig, norm, 1.0), _TINY).to(tl.float32), 1.0)
         observed = tl.where(trig, cap, norm.to(tl.float32))
         fits = fin & _finite(observed) & (nbad == 0)  # only a complete gradient updates the EMA
         new_ema = tl.where(fits, tl.where(seeded, ema * beta + (1.0 - beta) * observed, observed), ema)

@@ -106,6 +106,39 @@ def case_kernel_matches_oracle(device, sf, policy, factor, dtype):
         assert torch.equal(got[0][3], case[0][3])
 
 
+def case_guard_scale_floor(device, sf):
+    """A spike so far over a tiny running norm that cap / norm is below fp32's range: the guard's scale is
+    clamped at 2^-149 (functional/spike.py's TINY), not rounded to 0 — a 0 scale would zero the gradient,
+    and turn an infinite entry into NaN. Here cap / norm ≈ 6e-47, so without the floor every g·s is 0."""
+    from nonans_optim.functional.spike import TINY
+    from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
+
+    n = 300
+    gen = torch.Generator().manual_seed(1)
+    g = (torch.rand(n, generator=gen) + 0.5) * 1e37  # finite; norm ≈ 1.7e38 (fp64), ema·factor = 1e-8
+    zeros = torch.zeros(n, device=device)  # fresh state: the scaled gradient is all that moves it
+    base = ([zeros.clone()], [g.to(device)], [zeros.clone()], [zeros.clone()])
+    res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+           torch.full((1,), 1e-9, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+    sel, bcs = torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[0.1, 0.01]], device=device)
+    hp, gamma = torch.tensor(HP, dtype=torch.float32, device=device), torch.tensor(1e-2, device=device)
+    out = []
+    for fn in (scalar_step_, scalar_step_reference_):
+        ps, gs, ms, vs = ([t.clone() for t in x] for x in base)
+        r = tuple(t.clone() for t in res)
+        nones = [None]
+        fn(ps, gs, nones if sf else ms, vs, ms if sf else nones, gamma, r, sel, bcs, hp, sf=sf, policy="repair",
+           decay_z=sf, factor=10.0)
+        out.append((ps[0], ms[0], vs[0], r))
+    (p1, m1, v1, r1), (p2, m2, v2, r2) = out
+    for a, b in ((p1, p2), (m1, m2), (v1, v2)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    assert r1[3][0, 5].tolist() == [0, 1]  # the spike was counted
+    # the floor was what bound: v is (1-β₂)·(g·TINY)² — not 0 (a scale flushed to 0) nor (1-β₂)·g² (no guard)
+    torch.testing.assert_close(v1.cpu(), HP[2] * (g * TINY) ** 2, rtol=1e-5, atol=0)
+    assert (v1 > 0).all() and (p1 != 0).all()
+
+
 def case_recent_from_the_counters(device, policy, loss_only):
     """The decide kernel evaluating the hold rule's "recent event" itself from the counters (the
     ``RecentRule`` that impl="fused" passes) — as ``RecentRule.flags`` does: an event on one of the
@@ -311,6 +344,11 @@ def _define(device, marks=()):
         case_recent_from_the_counters(device, policy, loss_only)
 
     @mark
+    @pytest.mark.parametrize("sf", [False, True], ids=["adamw", "sf"])
+    def test_guard_scale_floor(sf):
+        case_guard_scale_floor(device, sf)
+
+    @mark
     def test_lazy_statistics_read_only_what_can_be_held():
         case_lazy_statistics_read_only_what_can_be_held(device)
 
@@ -345,7 +383,7 @@ def _define(device, marks=()):
 
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
-            test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held)
+            test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held, test_guard_scale_floor)
 
 
 # ops that launch nothing on a GPU (allocation, views, metadata)
@@ -451,7 +489,8 @@ if INTERPRETED:
 
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
      test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
-     test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held) = _define("cpu")
+     test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held,
+     test_guard_scale_floor) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -485,7 +524,8 @@ else:
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
      test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
      test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does,
-     test_gpu_recent_from_the_counters, test_gpu_lazy_statistics_read_only_what_can_be_held) = _define("cuda", marks=gpu)
+     test_gpu_recent_from_the_counters, test_gpu_lazy_statistics_read_only_what_can_be_held,
+     test_gpu_guard_scale_floor) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
