@@ -19,7 +19,6 @@ the device-side bookkeeping object an optimizer owns. No function here calls ``.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from typing import Callable, NamedTuple
@@ -30,30 +29,13 @@ from . import kernels, native
 from ._transfer import to_device
 # the elementwise detection and count helpers live in .detection; re-exported here, where they always were
 from .detection import finite_mask, inf_counts, inspect, storable_mask, tensor_counts
+# the event vocabulary (stages, actions, SingularityEvent) lives in .events; re-exported here
+from .events import ACTIONS, HELD, PARAM_STAGES, STAGE_INDEX, STAGES, SingularityEvent, materialise  # noqa: F401
 
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "RecentRule", "finite_mask",
            "storable_mask", "inspect", "inf_counts", "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
-
-# Where a non-finite value can be met. "grad": the incoming gradient. "moment": a moment update that
-# overflowed with a finite gradient (g² > fp32 max in exp_avg_sq; g - m inside the lerp of exp_avg, the
-# momentum buffer or MONA's average, when both are huge and of opposite signs): that entry keeps its value.
-# "direction": NS5 / KL-Shampoo / NorMuon output. "update": the new parameter or schedule-free z. "loss":
-# the value given to set_loss(). "spike": a finite gradient whose norm jumped above spike_factor × its
-# running mean and was rescaled (counts: [0, 1]).
-STAGES = ("grad", "moment", "direction", "update", "loss", "spike")
-STAGE_INDEX = {name: i for i, name in enumerate(STAGES)}
-# The stages that are a parameter's own: "loss" is the optimizer's (kept in row 0 of the count block),
-# so it is reported but never counts toward a parameter's escalation or hold rule.
-PARAM_STAGES = tuple(s != "loss" for s in STAGES)
-
-# What was done about it, by policy. Escalation is reported separately (it rides on either action).
-ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
-# ...except where "repair" held the parameter instead (no finite gradient entry twice within the repeat
-# window: it kept its value and state, as "skip" would; ALGORITHMS.md's continuation step is for once)
-HELD = "held"
-
 
 _TRITON_RECORD_FAILED: list[str] = []  # the first failure of the Triton record in this process, if any
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (triton reads it once at import, too)
@@ -70,40 +52,10 @@ def _record_on_triton(device: torch.device) -> bool:
     return backend(device) == "triton" and kernels.available()
 
 
-def _action(policy: str, held: bool) -> str:
-    return HELD if held and policy == "repair" else ACTIONS[policy]
-
-
 def check_policy(resolution: str) -> str:
     if resolution not in POLICIES:
         raise ValueError(f"resolution must be one of {POLICIES}, got {resolution!r}")
     return resolution
-
-
-@dataclasses.dataclass(frozen=True)
-class SingularityEvent:
-    """One resolved singularity: at optimizer ``step``, on parameter ``param`` (its name when the
-    optimizer was given named parameters, else its index in ``state_dict()`` order), in ``stage``.
-
-    ``nan_count``/``inf_count``: entries found NaN / ±Inf — except in the "spike" stage, where
-    ``inf_count`` is 1 for a gradient the spike guard capped (finite, counted in that column so the two
-    still add up to the stage's count; repeated spikes escalate like any event). A "loss" event (a
-    non-finite ``set_loss()`` value) belongs to no parameter: ``param`` is None and ``numel`` 1, and it
-    backs off no parameter's step size. ``action``: "repaired", "skipped" or "none" by the policy in force
-    then, and "held" where "repair" held the parameter — no finite gradient entry again within the repeat
-    window, so it kept its value and state rather than continue from momentum once more.
-    ``escalated``: this event backed the parameter's step size off
-    (a repeat within the window). ``events`` keeps the last 63 steps that had any (a ring of 64 slots, one
-    of them the free slot a clean step writes: 64 only until the first clean step after it filled)."""
-
-    step: int
-    param: str | int | None
-    stage: str
-    nan_count: int
-    inf_count: int
-    numel: int
-    action: str
-    escalated: bool = False
 
 
 class RecentRule(NamedTuple):
@@ -366,24 +318,8 @@ class Resolution:
 
     # ----- host side: only called from metrics()/events, never from step() -----
     def materialise(self, names: list[str | int], numels: list[int]) -> list[SingularityEvent]:
-        t = {k: v.cpu() for k, v in self.tensors.items() if k.startswith("ring")}
-        log = self.tensors["policy_log"].tolist()
-        K = t["ring_step"].shape[0]
-        ptr = int(t["ring_ptr"])
-        out: list[SingularityEvent] = []
-        for j in range(max(0, ptr - K), ptr):
-            slot = j % K
-            counts = t["ring_counts"][slot]
-            for p_idx, s_idx in (counts.sum(-1) > 0).nonzero().tolist():
-                nan, inf = counts[p_idx, s_idx].tolist()
-                own = PARAM_STAGES[s_idx]  # the loss stage sits in row 0 but belongs to no parameter
-                out.append(SingularityEvent(
-                    step=int(t["ring_step"][slot]), param=names[p_idx] if own else None, stage=STAGES[s_idx],
-                    nan_count=nan, inf_count=inf, numel=numels[p_idx] if own else 1,
-                    action=_action(self.policy_at(int(t["ring_step"][slot]), log),
-                                   own and bool(t["ring_held"][slot, p_idx])),
-                    escalated=own and bool(t["ring_escalated"][slot, p_idx])))
-        return out
+        """The event ring read back to the host as events (``optimizer.events``; :func:`.events.materialise`)."""
+        return materialise(self.tensors, self.policy_at, names, numels)
 
     def summary(self) -> dict[str, float]:
         t = {k: self.tensors[k].cpu() for k in ("events", "counts", "escalations", "scale")}
