@@ -12,6 +12,9 @@ measurable on a GPU. Two things decide that on CUDA, and a CPU machine can see n
   kernels ``step()`` launches — under "repair" and "off", one optimizer whose policy is switched, as in
   ``experiments/overhead.py`` — is what the resolution step's overhead on a GPU is made of.
 
+And **host time** (``experiments/host_profile.py``): per policy, the time to issue one step, the Triton
+launches' share of it, and the functions that cost the rest — what the launch count turns into.
+
 Output: ``results/sync_audit.json`` (or ``--out``) and its table in RESULTS.md ("sync-audit"; ``--results-md
 ''`` skips it). Without CUDA it says so and exits 0, writing nothing.
 """
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from experiments.host_profile import function_diff, host_profile, triton_summary
 from experiments.questions_io import ROOT, publish
 
 JSON_PATH = ROOT / "results" / "sync_audit.json"
@@ -85,7 +89,7 @@ def launches_of(fn) -> dict[str, Any]:
     return {"launches": launches, "memcpy_calls": memcpy, "top_aten": ops.most_common(12)}
 
 
-def run(steps: int = 3, defaults_only: bool = False) -> dict[str, Any]:
+def run(steps: int = 3, defaults_only: bool = False, host_steps: int = 10) -> dict[str, Any]:
     from experiments._models import DEFAULT, build_gpt, synthetic_grads
     from experiments.overhead import OPTIMIZERS, auto_runs, default_rows
     from experiments.overhead_controls import build_optimizer, switched
@@ -107,13 +111,18 @@ def run(steps: int = 3, defaults_only: bool = False) -> dict[str, Any]:
             step = switched(opt, policy, opt.spike_factor)
             step()  # a policy change logs once: keep it out of the profile
             row[policy] = launches_of(step)
+            if host_steps:
+                row[policy]["host"] = host_profile(step, steps=host_steps, repeats=3, device=device)
         rows.append(row)
         print(f"{name:34s} syncs first/later {sum(row['first_step_syncs'].values()):3d} / "
               f"{sum(row['later_step_syncs'].values()):3d}   launches repair {row['repair']['launches']:5d} "
-              f"off {row['off']['launches']:5d}", flush=True)
+              f"off {row['off']['launches']:5d}" + (f"   host us/step repair {row['repair']['host']['host_us']:.0f} "
+                                                   f"off {row['off']['host']['host_us']:.0f}" if host_steps else ""),
+              flush=True)
         for site, n in sorted({**row["first_step_syncs"], **row["later_step_syncs"]}.items()):
             print(f"    sync x{n}: {site}")
-    return {"command": "python -m experiments sync-audit" + (" --defaults" if defaults_only else ""),
+    return {"command": "python -m experiments sync-audit" + (" --defaults" if defaults_only else "")
+            + (f" --host-steps {host_steps}" if host_steps != 10 else ""),
             "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "rows": rows}
 
@@ -137,7 +146,36 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"| {r['optimizer']} | {sum(r['first_step_syncs'].values())} | "
                      f"{sum(r['later_step_syncs'].values())} | {r['repair']['launches']} | {r['off']['launches']} "
                      f"| {where} |")
+    hosted = [r for r in data["rows"] if "host" in r["repair"]]
+    if hosted:
+        lines += _render_host(hosted)
     return "\n".join(lines)
+
+
+def _render_host(rows: list[dict[str, Any]]) -> list[str]:
+    """The host-time table (experiments/host_profile.py) and, for the first row, the functions whose own
+    time "repair" adds."""
+    steps = rows[0]["repair"]["host"]["steps"]
+    lines = ["", f"**Host time of a step** (`experiments/host_profile.py`; {steps} steps per sample, best of 3): "
+             "the time to issue one step, no device sync inside the timed loop — on a host-bound step, what the "
+             "step costs; Triton launches per step and the host time they take (Triton's `run`: binding, "
+             "specialisation, cache lookup, driver call).", "",
+             "| optimizer | host µs/step repair | host µs/step off | repair − off µs | Triton launches repair / off "
+             "| Triton host µs/step repair / off | µs per Triton launch (repair) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rep, off = r["repair"]["host"], r["off"]["host"]
+        (n_r, t_r), (n_o, t_o) = triton_summary(rep), triton_summary(off)
+        per = f"{t_r / n_r:.1f}" if n_r else "—"
+        lines.append(f"| {r['optimizer']} | {rep['host_us']:.0f} | {off['host_us']:.0f} | "
+                     f"{rep['host_us'] - off['host_us']:+.0f} | {n_r:g} / {n_o:g} | {t_r:.0f} / {t_o:.0f} | {per} |")
+    first = rows[0]
+    diff = function_diff(first["repair"]["host"], first["off"]["host"])
+    if diff:
+        lines += ["", f"Where \"repair\" adds host time in {first['optimizer']}: own time per step under cProfile "
+                  "(profiled, so read the shares), the functions that grew most.", "",
+                  "| function | own µs/step repair | own µs/step off |", "|---|---|---|"]
+        lines += [f"| `{name}` | {a:.1f} | {b:.1f} |" for name, a, b in diff]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     ap.add_argument("--defaults", action="store_true",
                     help="only each optimizer's default configuration (no torch.compile'd rows: much faster)")
+    ap.add_argument("--host-steps", type=int, default=10,
+                    help="steps per host-time sample (experiments/host_profile.py; 0: no host profile)")
     ap.add_argument("--render-only", action="store_true", help="re-render RESULTS.md from the JSON at --out")
     args = ap.parse_args(argv)
     if args.render_only:
@@ -154,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sync-audit: no CUDA device here; nothing to audit.")
         return 0
     else:
-        data = run(defaults_only=args.defaults)
+        data = run(defaults_only=args.defaults, host_steps=args.host_steps)
     publish(data, args.out, render(data), args.results_md, "sync-audit", "Host syncs and launches on a GPU (issue 3)")
     return 0
 
