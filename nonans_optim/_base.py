@@ -354,15 +354,29 @@ class NonansOptimizer(Checkpointed, Optimizer):
         for this group and step.
 
         lr_t = lr · min(1, t / warmup_steps) is host arithmetic on the scheduled lr; the Polyak multiplier
-        (when active) is a device tensor, so γ never needs a sync. c follows SF-NorMuon: η_t² / Σ η_k²."""
-        lr_t = float(group["lr"]) * _warmup(group, ctx["step"])
-        c = 0.0
-        if "sf_weight_sum" in group:
-            c, group["sf_weight_sum"] = sf_weight(lr_t, group["sf_weight_sum"])
+        (when active) is a device tensor, so γ never needs a sync. c follows SF-NorMuon: η_t² / Σ η_k².
+
+        A tensor lr (torch.optim's convention; an LR scheduler keeps it one, through ``fill_``) on the
+        parameters' device is used where it is: γ = lr · warmup as a device op, for a CUDA lr no host read.
+        Only the schedule-free weight c needs η_t as a host number; there a CUDA lr is read every step (a
+        sync, with a warning once). A CPU lr for CUDA parameters is read on the host (no device sync)."""
+        lr, warm = group["lr"], _warmup(group, ctx["step"])
+        device = ctx["unit_scale"].device
         # fp64 where the group holds fp64 parameters: an fp32 γ put every fp64 step 4e-8 off torch's AdamW
         # (7.7e-7 after 20 steps) and rounded a decay factor 1 - lr·wd above 1 - 6e-8 to exactly 1
-        wide = any(p.dtype is torch.float64 for p in group["params"])
-        gamma = torch.full((), lr_t, dtype=torch.float64 if wide else torch.float32, device=ctx["unit_scale"].device)
+        dtype = torch.float64 if any(p.dtype is torch.float64 for p in group["params"]) else torch.float32
+        c = 0.0
+        if isinstance(lr, torch.Tensor) and lr.device == device and "sf_weight_sum" not in group:
+            gamma = lr.detach().reshape(()).to(dtype) * warm
+        else:
+            if isinstance(lr, torch.Tensor) and not lr.is_cpu and "sf_weight_sum" in group:
+                warnings.warn(f"lr is a {lr.device.type} tensor: the schedule-free weight needs its value on the "
+                              "host, so every step reads it (a device sync); pass a float or a CPU tensor",
+                              RuntimeWarning, stacklevel=4)
+            lr_t = float(lr) * warm
+            if "sf_weight_sum" in group:
+                c, group["sf_weight_sum"] = sf_weight(lr_t, group["sf_weight_sum"])
+            gamma = torch.full((), lr_t, dtype=dtype, device=device)
         if ctx["gamma_mult"] is not None:
             gamma = gamma * ctx["gamma_mult"]
         return gamma, c

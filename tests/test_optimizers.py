@@ -191,6 +191,59 @@ def test_lr_scheduler_drives_the_step(info):
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_tensor_lr_matches_float_lr(info, monkeypatch):
+    """torch.optim's convention: lr may be a tensor, and an LR scheduler keeps it one (fill_). The steps are
+    those of the same float lr, bit for bit; and where the schedule-free weight does not need η_t on the host,
+    step() never reads the tensor there (a CUDA lr would be a device sync every step)."""
+    models = [make_model() for _ in range(2)]
+    lr = torch.tensor(3e-3)
+    opts = [info.make(models[0].named_parameters(), lr=3e-3), info.make(models[1].named_parameters(), lr=lr)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    reads = []
+    for real in (torch.Tensor.__float__, torch.Tensor.item):
+        def watched(self, *a, _real=real, **k):
+            if self is lr:
+                reads.append(_real.__name__)
+            return _real(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, real.__name__, watched)
+    for i in range(3):
+        for m, o, sch in zip(models, opts, scheds):
+            train_steps(m, o, 1, seed=i)
+            sch.step()
+    monkeypatch.undo()
+    assert isinstance(opts[1].param_groups[0]["lr"], torch.Tensor) and float(lr) == pytest.approx(3e-3 / 8)
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+    assert (len(reads) > 0) == bool(info.schedule_free), reads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cls", [no.AdamW, no.Muon, no.SFAdamW], ids=lambda c: c.__name__)
+def test_cuda_tensor_lr_needs_no_host_sync(cls):
+    """A CUDA lr: γ is computed on the device (no sync in step()); the schedule-free weight is the one
+    reader of η_t on the host, and it says so once."""
+    model = make_model().cuda()
+    opt = cls(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
+    tokens, img, y = (t.cuda() for t in make_batch(0))
+    for i in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens, img), y).backward()
+        if cls is no.SFAdamW:
+            with pytest.warns(RuntimeWarning, match="device sync"):
+                opt.step()
+            continue
+        if i == 0:  # state creation
+            opt.step()
+            continue
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
 def test_train_eval_round_trip(info):
     model = make_model()
     opt = info.make(model.named_parameters())
