@@ -3,10 +3,19 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/optim_infos.py
 # Experiments log to wandb offline whenever it is installed; the tests check results, not logging.
 os.environ.setdefault("NONANS_WANDB", "0")
+
+# Hypothesis draws the same examples on every run ("deterministic", the default): a suite whose verdict
+# depends on the draw is not a contract a fresh machine (or CI) can keep. To search new examples while
+# developing, run with HYPOTHESIS_PROFILE=explore; a counterexample it finds goes into the test as an
+# @example. Tests that set their own settings keep them, apart from what the profile sets.
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @pytest.fixture(autouse=True)
