@@ -155,6 +155,12 @@ class NonansOptimizer(Checkpointed, Optimizer):
                 raise ValueError(f"{wrapped[0]} parameters are not supported (FSDP2's fully_shard and tensor "
                                  "parallelism shard parameters as DTensors; the spectral step needs whole "
                                  "matrices): use DDP or a single device")
+            devices = {p.device for g in self.param_groups for p in g["params"]}
+            if len(devices) > 1:  # the counters, γ and the Polyak EMAs live on the first parameter's device,
+                # and a kernel given another device's addresses would read the wrong memory
+                raise ValueError(f"parameters on more than one device ({', '.join(sorted(map(str, devices)))}): "
+                                 "the step keeps its counters and step sizes on one device; build one "
+                                 "optimizer per device")
             self._check_group(self.param_groups[-1])
         except ValueError:
             self.param_groups.pop()

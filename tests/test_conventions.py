@@ -224,6 +224,30 @@ def test_add_param_group_refuses_complex_and_vector_on_spectral(info):
     assert len(opt.param_groups) == len(fusion.param_groups) == 1
 
 
+@pytest.mark.parametrize("info", INFOS, ids=IDS)
+def test_parameters_on_two_devices_are_refused(info):
+    """One optimizer keeps its counters and step sizes on its first parameter's device: parameters on another
+    device are refused at construction and in add_param_group (the group is not added, the optimizer still
+    steps). The meta device stands in for a second device here; a GPU copy runs cuda + cpu."""
+    cpu, other = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"more than one device \(cpu, meta\)"):
+        info.make([cpu, other])
+    opt = info.make([cpu])
+    with pytest.raises(ValueError, match="one optimizer per device"):
+        opt.add_param_group({"params": [other]})
+    assert len(opt.param_groups) == 1
+    cpu.grad = torch.randn(4, 4)
+    opt.step()
+    assert torch.isfinite(cpu).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_parameters_on_cuda_and_cpu_are_refused():
+    with pytest.raises(ValueError, match="more than one device"):
+        no.AdamW([nn.Parameter(torch.randn(3, device="cuda")), nn.Parameter(torch.randn(3))])
+
+
 def test_polyak_l1_norm_of_fp16_gradients_does_not_overflow():
     """Σ|g| of an fp16 gradient passes 65504 at 300x300 ones: taken in fp16 it was Inf, and the finite
     gradient dropped out of Ḡ as if it were non-finite (γ stayed 1)."""
