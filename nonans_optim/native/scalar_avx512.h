@@ -2,11 +2,15 @@
  * when it is compiled in, and why intrinsics). The portable update loop ran 1.7x (AdamW) and 2.5x
  * (SFAdamW) its "off" loop on cache-resident data; this one about 1.05–1.1x (a C driver over 262K
  * entries, one thread), and 1.00–1.03x once it tested vectors in pairs with the lerp form fixed at
- * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits. The test moved
- * from the new values to the loaded ones and the new v (early_fold_), which took SFAdamW from about
- * 1.025x to 1.007x (same driver, 262K entries, best of 36 alternations). Those drivers held one layout
- * of the arrays in memory; across layouts (4K aliasing, vec_quad_) the ratio moved far more, and the
- * clean loops of both policies now take four vectors per step.
+ * compile time (13 x 262K entries, one thread, best of 30 rounds), with the same bits. A vector-at-a-time
+ * loop then gained from testing the loaded values and the new v instead of the new values (an "early" test
+ * on the inputs' magnitudes, which did not wait for the end of the divide-and-square-root chain: SFAdamW
+ * 1.025x → 1.007x, same driver). Those drivers held one layout of the arrays in memory; across layouts
+ * (4K aliasing, vec_quad_) the ratio moved far more, and the clean loops of both policies now take four
+ * vectors per step — where the late test's wait is hidden behind the other three vectors' work and its
+ * fewer operations win: on the default GPT, one process per run alternating the two builds on the same
+ * tensors (2026-11-25, 5 processes x 40 rounds), repair/off went from 1.037 to 1.013 (AdamW) and 1.032
+ * to 1.026 (SFAdamW) with 2 threads, 1.038 to 1.034 and 1.058 to 1.052 with one; so the quads test late.
  *
  * Pass 1's sum of squares runs four independent vector accumulators (one chain was latency-bound), the
  * 64 lanes of scalar_step.c's sumsq_portable, added in the same order — the guard's scale, and so every
@@ -18,7 +22,7 @@
 #include <float.h>
 
 typedef struct {
-    __m512 s, one_m_b2, b2, w, one_m_w, bc1, bc2, eps, lim;
+    __m512 s, one_m_b2, b2, w, one_m_w, bc1, bc2, eps;
     int small_w;
     vparam_t u;
 } vhyper_t;
@@ -130,27 +134,7 @@ static inline __attribute__((always_inline)) void vec_update_(
     vec_store_(sf, full, lm, p, m, v, z, j, vn, mn, y, zn);
 }
 
-/* VRANGEPS imm8: the larger magnitude of the two operands, sign cleared (a NaN operand gives NaN). */
-#define MAXABS_ 0x0B
-/* VFPCLASSPS categories a new v must not fall in: NaN, ±Inf and negative finite (-0 is fine). */
-#define NOT_V_ (NONFINITE_ | 0x40)
 #define QUAD_ 4 /* vectors per step of the clean loop (vec_quad_) */
-
-/* The early form of the speculation test, on values that are ready soon after the loads: every input's
- * magnitude (g, p, and z or m) at most k->lim (clean_limit_), and the new v finite and not negative.
- * Under it the stock arithmetic cannot produce a non-finite m, y or z (the bound's derivation is at
- * clean_limit_), and a non-finite g fails it (itself, and through its v), so it implies the late test.
- * Why not the late test's sum: it waits for y and z, the last values of a divide-and-square-root chain,
- * and on Zen 4 testing them cost SFAdamW's cache-resident loop about 2.5% where this test costs under 1%
- * (a C driver over 262K entries, one thread, best of 36 alternations: 1.025 → 1.007; AdamW 1.005 → 0.996).
- * More operations, but none of them waits on the chain. early_fold_ folds one vector into the running
- * maximum magnitude mx and the failed-class mask vbad, so that the inputs need not stay live for the test. */
-static inline __attribute__((always_inline)) void early_fold_(const int sf, const vin_t *x, __m512 vn, __m512 *mx,
-                                                               __mmask16 *vbad) {
-    const __m512 st = sf ? x->zo : x->mo;
-    *mx = _mm512_range_ps(*mx, _mm512_range_ps(_mm512_range_ps(x->gr, x->po, MAXABS_), st, MAXABS_), MAXABS_);
-    *vbad |= _mm512_fpclass_ps_mask(vn, NOT_V_);
-}
 
 /* The exact path of a quad that failed its test: reloaded (nothing of it has been stored), computed with
  * the gates and stored, vector by vector. Out of line and cold, so that the hot loop keeps no registers
@@ -168,9 +152,8 @@ static __attribute__((noinline, cold)) void quad_exact_(
 }
 
 /* Four full vectors at j … j + 48 of a clean loop, "off" (gate 0) and the gated one alike: every load and
- * all the arithmetic first, then one test for the four — early (early_fold_), or where the hyperparameters
- * give no bound, late (the sum of their vcheck_ sums) —, then the stores; a quad that fails takes
- * quad_exact_ instead of the stores.
+ * all the arithmetic first, then one test for the four (the sum of their vcheck_ sums), then the stores; a
+ * quad that fails takes quad_exact_ instead of the stores.
  *
  * Why four, loads before stores, for "off" too: 4K aliasing. A load whose address matches an older store's
  * in its low 12 bits waits for that store, although the addresses differ; a vector-at-a-time loop whose
@@ -182,23 +165,19 @@ static __attribute__((noinline, cold)) void quad_exact_(
  * between 0.88 and 1.07 from one layout to another. With four vectors per step only one boundary in four
  * can stall, and both policies run the same loop shape, so a layout slows both alike. */
 static inline __attribute__((always_inline)) void vec_quad_(
-        const int sf, const int gate, const int decay_z, const int early, float *restrict p, const float *restrict g,
+        const int sf, const int gate, const int decay_z, float *restrict p, const float *restrict g,
         float *restrict m, float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb,
         int64_t *un, int64_t *ub) {
     const __mmask16 all = (__mmask16)0xFFFF;
-    __m512 vn[QUAD_], mn[QUAD_], y[QUAD_], zn[QUAD_], mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
-    __mmask16 vbad = 0;
+    __m512 vn[QUAD_], mn[QUAD_], y[QUAD_], zn[QUAD_], sum = _mm512_setzero_ps();
     for (int q = 0; q < QUAD_; q++) {
         const vin_t x = vin_load_(sf, 1, all, p, g, m, v, z, j + 16 * q, k);
         zn[q] = x.zo;
         arith_(sf, decay_z, 0, x.gs, x.vo, x.mo, x.po, x.zo, 0, all, k, &vn[q], &mn[q], &y[q], &zn[q], vb);
-        if (gate && early) early_fold_(sf, &x, vn[q], &mx, &vbad);
-        else if (gate) sum = _mm512_add_ps(sum, vcheck_(sf, vn[q], y[q], zn[q]));
+        if (gate) sum = _mm512_add_ps(sum, vcheck_(sf, vn[q], y[q], zn[q]));
     }
     if (gate) {
-        const __mmask16 bad = early ? _mm512_cmp_ps_mask(mx, k->lim, _CMP_NLE_UQ) | vbad
-                                    : _mm512_fpclass_ps_mask(sum, NONFINITE_);
-        if (__builtin_expect(bad != 0, 0)) {
+        if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0)) {
             quad_exact_(sf, decay_z, p, g, m, v, z, j, k, vb, un, ub);
             return;
         }
@@ -211,8 +190,7 @@ static inline __attribute__((always_inline)) void vec_quad_(
  * kept a compare and a branch in every iteration of the gated loop, which gcc hoists only from the
  * stock one. */
 static inline __attribute__((always_inline)) void vec_loop_(
-        const int sf, const int gate, const int decay_z, const int small, const int exact, const int early,
-        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
+        const int sf, const int gate, const int decay_z, const int small, const int exact, float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t b0, int64_t b1, const vhyper_t *k0, int hold, int skip_all, int64_t *vb, int64_t *un,
         int64_t *ub) {
     vhyper_t k = *k0;
@@ -220,7 +198,7 @@ static inline __attribute__((always_inline)) void vec_loop_(
     int64_t j = b0;
     if (!exact) /* the tail of fewer than QUAD_ vectors goes vector by vector */
         for (; j + 16 * QUAD_ <= b1; j += 16 * QUAD_)
-            vec_quad_(sf, gate, decay_z, early, p, g, m, v, z, j, &k, vb, un, ub);
+            vec_quad_(sf, gate, decay_z, p, g, m, v, z, j, &k, vb, un, ub);
     for (; j + 16 <= b1; j += 16)
         vec_update_(sf, gate, decay_z, 1, exact, (__mmask16)0xFFFF, p, g, m, v, z, j, &k, hold, skip_all, vb, un,
                     ub);
@@ -237,23 +215,17 @@ static inline __attribute__((always_inline)) void update_block_avx512(
     const vhyper_t k = {
         _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
         _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
-        _mm512_set1_ps(gate ? clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f), /* "off": untested */
         fabsf(h.one_m_b1) < 0.5f,
         vparam_make_(lr, lrc, wdf, h.wd, h.c)};
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0;
-    /* gate is a compile-time constant: under "off" early is 0 and only the plain loops remain */
-    const int small = sf ? k.u.small_c : k.small_w, early = gate && _mm512_cvtss_f32(k.lim) > 0.0f;
+    const int small = sf ? k.u.small_c : k.small_w;
     if (gate && (hold || skip_all))
-        vec_loop_(sf, gate, decay_z, small, 1, 0, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
-    else if (small && early)
-        vec_loop_(sf, gate, decay_z, 1, 0, 1, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, small, 1, p, g, m, v, z, b0, b1, &k, hold, skip_all, &vb, &un, &ub);
     else if (small)
-        vec_loop_(sf, gate, decay_z, 1, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
-    else if (early)
-        vec_loop_(sf, gate, decay_z, 0, 0, 1, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, 1, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     else
-        vec_loop_(sf, gate, decay_z, 0, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
+        vec_loop_(sf, gate, decay_z, 0, 0, p, g, m, v, z, b0, b1, &k, 0, 0, &vb, &un, &ub);
     int64_t gn = 0, gb = 0;
     if (!clean && vb > 0) /* a bad gradient entry always makes its new v non-finite: recount from g */
         for (int64_t i = b0; i < b1; i++) {
