@@ -66,15 +66,16 @@ def overflow_run(cls, policy):
 def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
     # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
     # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
-    # loops' early tests (clean_limit_ in scalar_step.c, which depends on lr and eps; AVX2: input_limit_ in
-    # scalar_avx2.h, at most that) and some just over it, and the largest overflow inside the step. A quarter of the entries get a (negative, finite) v that
-    # cancels the coming g², so the new v is about 0 and the denominator about eps: the case the bound is
-    # sharp for. The portable build tests every value it computes, so an early test that let an
-    # overflowing entry through writes other bits. The AVX-512 test is per 64 entries (AVX2: 32), so a run
-    # meant to reach the bound keeps most magnitudes below it (a small top): one entry over it sends its
-    # neighbours to the exact path too. zero_v: the quarter gets v = +0 instead, which the AVX2 form's test (on the old v, which
-    # must not be negative) lets through, so a large m over a denominator of about eps is where its bound
-    # is sharp (AdamW; a bound 1000x too loose fails it).
+    # AVX2 loop's early test (input_limit_ in scalar_avx2.h, at most clean_limit_ in scalar_step.c, which
+    # depends on lr and eps) and some just over it, and the largest overflow inside the step — for the AVX-512
+    # loop, which tests the new values, the same runs put finite sums of huge terms beside overflowing ones.
+    # A quarter of the entries get a (negative, finite) v that cancels the coming g², so the new v is about 0
+    # and the denominator about eps: the case the bound is sharp for. The portable build tests every value it
+    # computes, so a test that let an overflowing entry through writes other bits. The AVX-512 test is per
+    # 64 entries (AVX2: 32), so a run meant to reach the bound keeps most magnitudes below it (a small top):
+    # one entry over it sends its neighbours to the exact path too. zero_v: the quarter gets v = +0 instead,
+    # which the AVX2 form's test (on the old v, which must not be negative) lets through, so a large m over a
+    # denominator of about eps is where its bound is sharp (AdamW; a bound 1000x too loose fails it).
     gen = torch.Generator().manual_seed(5)
 
     def spread(n, lo=-30.0, hi=38.5):
@@ -109,7 +110,7 @@ for cls in ("AdamW", "SFAdamW"):
             (1e-3, 1e-8, 38.5, 19.0, {}), (1.0, 1e-30, 6.0, 11.0, {"weight_decay": 0.5, "betas": (0.9, 0.5)}),
             (1e6, 1e-8, 20.0, 19.0, {"betas": (0.9, 0.5)}), (1e-3, 1e-8, 38.5, 19.0, {"betas": (0.3, 0.99)}),
             (1.0, 1e-30, 8.0, 6.0, {"weight_decay": 0.5, "betas": (0.9, 0.5), "zero_v": True}),
-            (1e-3, 0.0, 38.5, 19.0, {}))):  # eps = 0: no bound (clean_limit_ is 0), the late test decides
+            (1e-3, 0.0, 38.5, 19.0, {}))):  # eps = 0: no bound (clean_limit_ is 0), AVX2's late test decides
         params, opt = magnitude_run(cls, lr, eps, top, top_grad, **kw)
         out[(cls, "magnitude", i)] = (params, opt.state_dict())
 for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
