@@ -1,6 +1,7 @@
 """The table of optimizer configurations that drives the generic tests (our take on torch's OptimInfo)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -87,6 +88,16 @@ def make_batch(seed: int = 1, n: int = 32, dtype=torch.float32):
 def loss_fn(model, batch):
     tokens, img, y = batch
     return nn.functional.cross_entropy(model(tokens, img).float(), y)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """CUDA only: any host synchronisation inside the block raises (``torch.cuda.set_sync_debug_mode``)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def train_steps(model, opt, n: int, *, seed: int = 0, inject=None):

@@ -9,7 +9,8 @@ from torch import nn
 
 import nonans_optim as no
 from nonans_optim.ns5 import hot_dtype
-from optim_infos import IDS, INFOS, loss_fn, make_batch, make_model, same_tree, state_tensors, train_steps
+from optim_infos import (IDS, INFOS, loss_fn, make_batch, make_model, no_host_sync, same_tree, state_tensors,
+                         train_steps)
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
@@ -233,11 +234,8 @@ def test_cuda_tensor_lr_needs_no_host_sync(cls):
         if i == 0:  # state creation
             opt.step()
             continue
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import nonans_optim as no
 from optim_infos import (IDS, INFOS, assert_skip_holds_as_the_loop_does, impl_cases, impl_ids, loss_fn, make_batch,
-                         make_model, state_tensors, train_steps)
+                         make_model, no_host_sync, state_tensors, train_steps)
 
 BAD = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
@@ -360,11 +360,8 @@ def test_no_host_sync_in_step_on_gpu(info, impl):
         if i == 0 and compiles:
             opt.step()
             continue
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
