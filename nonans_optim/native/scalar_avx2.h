@@ -80,9 +80,10 @@ static inline __attribute__((always_inline)) __m256i y8abs_(__m256 x, __m256i ab
  * FLT_MAX / 2 (the factor 2 over the bound covers the roundings), so it is finite and not negative, which is
  * what clean_limit_'s derivation assumes of it. Unlike scalar_avx512.h's test (of the new values), it needs
  * nothing the step computes, so a group of entries is tested before its arithmetic starts and nothing
- * speculative has to stay in registers while it is: AVX2 has 16 vector registers, and holding two vectors' results for a test
- * made the gated loop spill (a scratch C driver calling nonans_scalar_step, 1M entries, one thread, 30
- * alternations: that pair form ran 1.19x "off" for AdamW and 1.47x for SFAdamW; this form 1.07x and 1.23x). */
+ * speculative has to stay in registers while it is: AVX2 has 16 vector registers, and holding two vectors'
+ * results for a test made the gated loop spill (a scratch C driver calling nonans_scalar_step, 1M entries,
+ * one thread, 30 alternations: that pair form ran 1.19x "off" for AdamW and 1.47x for SFAdamW; this form
+ * 1.07x and 1.23x). */
 static inline float input_limit_(const int sf, const int decay_z, float s, float lr, float wdf, float lrc,
                                  float bc1, float bc2, const hyper_t h) {
     const float lim = clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h);

@@ -190,9 +190,9 @@ static inline __attribute__((always_inline)) void vec_quad_(
  * kept a compare and a branch in every iteration of the gated loop, which gcc hoists only from the
  * stock one. */
 static inline __attribute__((always_inline)) void vec_loop_(
-        const int sf, const int gate, const int decay_z, const int small, const int exact, float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
-        int64_t b0, int64_t b1, const vhyper_t *k0, int hold, int skip_all, int64_t *vb, int64_t *un,
-        int64_t *ub) {
+        const int sf, const int gate, const int decay_z, const int small, const int exact, float *restrict p,
+        const float *restrict g, float *restrict m, float *restrict v, float *restrict z, int64_t b0, int64_t b1,
+        const vhyper_t *k0, int hold, int skip_all, int64_t *vb, int64_t *un, int64_t *ub) {
     vhyper_t k = *k0;
     if (sf) k.u.small_c = small; else k.small_w = small;
     int64_t j = b0;

@@ -31,9 +31,9 @@ typedef struct {
 /* The magnitude bound of the AVX2 loop's early test (input_limit_ in scalar_avx2.h, which tightens it; the
  * AVX-512 loop tests the new values of four vectors at once instead) for one tensor's block: the largest L
  * such that, when |g|, |p| and |z| (AdamW: |m|) are at most L and the new v is finite and not negative,
- * every value the stock arithmetic computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0 divides by zero; a bias
- * correction of 0, which validated betas never give but which would divide by zero too), and then the
- * loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
+ * every value the stock arithmetic computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0
+ * divides by zero; a bias correction of 0, which validated betas never give but which would divide by zero
+ * too), and then the loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
  * and lerpk = 1 + 2·max(|w|, |1-w|) for a lerp of weight w (either of lerpf_'s forms, both operands at most
  * M in magnitude, stays within lerpk·M):
  *
