@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["host_profile", "triton_launches", "function_costs"]
+__all__ = ["host_profile", "triton_launches", "function_costs", "triton_summary", "function_diff"]
 
 
 def _sync(device: torch.device | None) -> None:
