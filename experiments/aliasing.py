@@ -34,7 +34,7 @@ import torch
 import nonans_optim as no
 from experiments.overhead_controls import spread, switched
 from experiments.questions_io import fmt, publish, read_json
-from experiments.step_time import ROOT, interleaved, machine_info, run_child
+from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
 
 __all__ = ["LAYOUTS", "page_view", "build", "run", "render", "main"]
 
@@ -104,9 +104,7 @@ def _measure(args) -> dict[str, Any]:
 
 
 def _child(args) -> dict[str, Any]:
-    return run_child("experiments.aliasing", [
-        "--child", "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--sample-ms", str(args.sample_ms),
-        "--threads", str(args.threads), "--entries", str(args.entries)] + (["--quick"] if args.quick else []))
+    return run_child("experiments.aliasing", child_argv(args) + ["--entries", str(args.entries)])
 
 
 def _commit() -> str:
@@ -207,15 +205,10 @@ def render(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments aliasing", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4096 entries, 2 rounds, one process")
+    add_child_arguments(ap, quick_help="4096 entries, 2 rounds, one process", sample_ms=20.0, threads=1,
+                        processes_help="fresh processes")
     ap.add_argument("--entries", type=int, default=ENTRIES)
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--sample-ms", type=float, default=20.0, help="each sample times about this long")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--processes", type=int, default=None, help="fresh processes")
     ap.add_argument("--baseline", default=None, help="a JSON of this command from another commit, shown beside")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "results" / "aliasing.json"))
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)

@@ -32,7 +32,7 @@ import nonans_optim as no
 from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import fmt, publish
 from experiments.render import SECTIONS
-from experiments.step_time import ROOT, interleaved, machine_info, run_child
+from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
 
 __all__ = ["run", "render", "section", "main", "JSON"]
 
@@ -80,9 +80,7 @@ def _measure(args) -> dict[str, Any]:
 
 
 def _child(mode: str, args) -> dict[str, Any]:
-    return run_child("experiments.simd", [
-        "--child", "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--sample-ms", str(args.sample_ms),
-        "--threads", str(args.threads)] + (["--quick"] if args.quick else []), env={"NONANS_NATIVE_SIMD": mode})
+    return run_child("experiments.simd", child_argv(args), env={"NONANS_NATIVE_SIMD": mode})
 
 
 def _combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -173,13 +171,8 @@ def render(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments simd", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two small sizes, 2 rounds, one process per build")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--sample-ms", type=float, default=25.0, help="each sample times about this long")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--processes", type=int, default=None, help="fresh processes per build")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_child_arguments(ap, quick_help="two small sizes, 2 rounds, one process per build", sample_ms=25.0,
+                        threads=2, processes_help="fresh processes per build")
     ap.add_argument("--out", default=None,
                     help="JSON path (default: results/simd_avx512.json on a CPU with AVX-512, else results/simd.json)")
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")

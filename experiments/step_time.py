@@ -72,6 +72,26 @@ def run_child(module: str, argv: list[str], env: dict[str, str] | None = None) -
     return json.loads(proc.stdout)
 
 
+def add_child_arguments(ap: argparse.ArgumentParser, *, quick_help: str, sample_ms: float, threads: int,
+                        processes_help: str) -> None:
+    """The flags of a timing experiment that measures in fresh processes of itself (:func:`run_child`): the
+    parent's, and the hidden ``--child`` its children run with; :func:`child_argv` repeats them to a child."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sample-ms", type=float, default=sample_ms, help="each sample times about this long")
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--processes", type=int, default=None, help=processes_help)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def child_argv(args: argparse.Namespace) -> list[str]:
+    """A child's arguments: ``--child`` and the timing flags of :func:`add_child_arguments` as the parent
+    resolved them (so every child measures alike)."""
+    return (["--child", "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--sample-ms",
+             str(args.sample_ms), "--threads", str(args.threads)] + (["--quick"] if args.quick else []))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
