@@ -146,7 +146,7 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
     hold = nbad < 0  # False
     keep_all = nbad < 0
     if POLICY != 0:  # a persistent whole-tensor loss: every entry bad, and an event within the window
-        # (under "repair" and "skip", as the loop's _common.hold_flag: a held "skip" tensor counts no update)
+        # (under "repair" and "skip", as the loop's _common.keep_flags: a held "skip" tensor counts no update)
         recent = _recent(RECENT, STREAK, EVENTS, sel, window, RULE, S, S_PAD, LOSS)
         hold = recent & (nbad.to(tl.int64) == tl.load(NUMEL + t))
     if POLICY == 2:

@@ -22,9 +22,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ._checkpoint import Checkpointed
 from ._transfer import to_device
 from ._validation import _check_float, _check_int, check_betas
-from .detection import inf_counts
 from .functional.schedule_free import sf_weight
-from .resolution import POLICIES, STAGE_INDEX, STAGES, Resolution, SingularityEvent, check_policy
+from .optimizers._common import assemble_counts, record_inf
+from .resolution import POLICIES, STAGES, Resolution, SingularityEvent, check_policy
 
 __all__ = ["NonansOptimizer"]
 
@@ -284,7 +284,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         st = self._global()
         st["step"] += 1
         res = self._get_resolution(st["step"]) if self._policy != "off" else None
-        ctx = {"step": st["step"], "resolution": res, "counts": {}, "loss": self._pending_loss,
+        ctx = {"step": st["step"], "resolution": res, "counts": [], "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
                "guard_in_kernel": False,
                "spike_factor": self.spike_factor if res is not None else None,
@@ -335,9 +335,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
         sel = self._device_indices(idx, ema.device)
         guarded, new_ema, trigger = spike_guard(grads, ema.index_select(0, sel), ctx["spike_factor"])
         ema.index_copy_(0, sel, new_ema)
-        flags = trigger.to(torch.int64)
-        for i, f in zip(idx, flags.unbind()):
-            ctx["counts"][(i, STAGE_INDEX["spike"])] = inf_counts(f)
+        for i, f in zip(idx, trigger.unbind()):
+            record_inf(ctx, i, "spike", f)
         return guarded
 
     def _device_indices(self, idx: list[int], device: torch.device) -> torch.Tensor:
@@ -390,17 +389,25 @@ class NonansOptimizer(Checkpointed, Optimizer):
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def _assemble_counts(ctx: dict[str, Any], P: int, device: torch.device) -> torch.Tensor:
-        """(P, S, 2) int64 counts of this step: the sparse {(param, stage): [nan, inf]} the eager paths
-        recorded, in one stack, plus the dense block the compiled kernels accumulated (``ctx["dense"]``)."""
-        counts, dense = ctx["counts"], ctx["dense"]
-        S = len(STAGES)
-        if not counts:
-            return dense if dense is not None else torch.zeros(P, S, 2, dtype=torch.int64, device=device)
-        zero = torch.zeros(2, dtype=torch.int64, device=device)
-        flat = torch.stack([counts.get((p, s), zero) for p in range(P) for s in range(S)]).view(P, S, 2)
+    def _assemble_counts(self, ctx: dict[str, Any], P: int, device: torch.device) -> torch.Tensor:
+        """(P, S, 2) int64 counts of this step: what the eager paths recorded (``_common.assemble_counts``),
+        plus the dense block the compiled kernels accumulated (``ctx["dense"]``)."""
+        dense = ctx["dense"]
+        flat = assemble_counts(ctx, P, len(STAGES), device, self._device_constant)
+        if flat is None:
+            return dense if dense is not None else torch.zeros(P, len(STAGES), 2, dtype=torch.int64, device=device)
         return flat if dense is None else flat + dense
+
+    def _device_constant(self, name: str, values: tuple, device: torch.device) -> torch.Tensor:
+        """int64 tensor of host ``values`` on ``device``, built once per (name, values) (no host→device copy
+        per step once a step's shape has been seen)."""
+        key = (name, values, str(device))
+        t = self._index_cache.get(key)
+        if t is None:
+            if len(self._index_cache) > 256:  # a bound, for a run whose count patterns keep changing
+                self._index_cache.clear()
+            t = self._index_cache[key] = to_device(torch.tensor(values, dtype=torch.int64), device)
+        return t
 
     # ------------------------------------------------------------------ telemetry
     @property

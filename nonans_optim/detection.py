@@ -3,14 +3,16 @@ holds the policies, the counters and the event ring). Pure functions of tensors;
 to the host, so none synchronises with a device.
 
 Why every test is ``|x| < limit`` rather than ``torch.isfinite``: see :func:`finite_mask`. Why counts come
-out as int64 [nan, inf] pairs: they are added into the (P, S, 2) count block of a step (one row per
-parameter and stage), whatever produced them.
+out as int64 [nan, inf] pairs (or a :class:`Tally` that becomes one): they are added into the (P, S, 2)
+count block of a step (one row per parameter and stage), whatever produced them.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["finite_mask", "storable_mask", "inspect", "inf_counts", "tensor_counts"]
+__all__ = ["finite_mask", "storable_mask", "Tally", "tally", "inspect", "tensor_counts"]
 
 
 def finite_mask(x: torch.Tensor) -> torch.Tensor:
@@ -38,22 +40,41 @@ def storable_mask(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.float().abs() < limit
 
 
-def inspect(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(finite mask, int64 [nan_count, inf_count]) of ``x`` from one shared ``abs`` pass: the detection
-    the gates need and the counts the telemetry needs, in three elementwise passes and two reductions."""
+class Tally(NamedTuple):
+    """The counts of one tensor's non-finite entries, not yet assembled into [nan, inf]: ``finite`` and
+    ``inf`` are 0-d int64 tensors on its device, ``numel`` its size (nan = numel - finite - inf).
+
+    Why not the pair itself: the subtraction and the stacking are 0-d ops, and on a GPU every op is a
+    kernel launch of its own (the eager "repair" step of SF-NorMuon's GPT launched about 4200 kernels
+    where "off" launched 750 on an H100: RESULTS.md, "sync-audit"). The optimizer assembles the tallies of a
+    whole step at once (``optimizers/_common.assemble_counts``: a few launches, whatever the tensor count)."""
+    finite: torch.Tensor
+    inf: torch.Tensor
+    numel: int
+
+    def pair(self) -> torch.Tensor:
+        """int64 [nan_count, inf_count] (three 0-d ops: where one tensor's counts are needed on their own)."""
+        return torch.stack(((self.numel - self.finite) - self.inf, self.inf))
+
+    def complete(self) -> torch.Tensor:
+        """0-d bool: every entry was finite."""
+        return self.finite == self.numel
+
+
+def tally(x: torch.Tensor) -> tuple[torch.Tensor, Tally]:
+    """(finite mask, :class:`Tally`) of ``x`` from one shared ``abs`` pass: the detection the gates need
+    and the counts the telemetry needs, in three elementwise passes and two reductions. (A NaN count from
+    ``x != x`` would be one more pass over the data; nan = numel - finite - inf needs none.)"""
     a = x.abs()
     ok = a < float("inf")
     # count_nonzero reads the bool mask directly; bool.sum() first widens it to int64 (a copy pass).
-    inf = torch.count_nonzero(a == float("inf"))
-    nan = (x.numel() - torch.count_nonzero(ok)) - inf
-    return ok, torch.stack((nan, inf))
+    return ok, Tally(torch.count_nonzero(ok), torch.count_nonzero(a == float("inf")), x.numel())
 
 
-def inf_counts(n: torch.Tensor) -> torch.Tensor:
-    """[0, n] (int64) for a 0-d count ``n`` that goes in the "inf" column — overflows, a bypassed
-    preconditioner, a capped spike: one op (a pad), where stacking it with a zero made two, per tensor
-    and stage on the eager paths."""
-    return torch.nn.functional.pad(n.reshape(1), (1, 0))
+def inspect(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(finite mask, int64 [nan_count, inf_count]) of ``x``: :func:`tally` with the counts assembled."""
+    ok, t = tally(x)
+    return ok, t.pair()
 
 
 def tensor_counts(total: torch.Tensor) -> torch.Tensor:

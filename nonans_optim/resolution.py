@@ -28,12 +28,12 @@ import torch
 from . import kernels, native
 from ._transfer import to_device
 # the elementwise detection and count helpers live in .detection; re-exported here, where they always were
-from .detection import finite_mask, inf_counts, inspect, storable_mask, tensor_counts
+from .detection import finite_mask, inspect, storable_mask, tensor_counts
 # the event vocabulary (stages, actions, SingularityEvent) lives in .events; re-exported here
 from .events import ACTIONS, HELD, PARAM_STAGES, STAGE_INDEX, STAGES, SingularityEvent, materialise  # noqa: F401
 
 __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "RecentRule", "finite_mask",
-           "storable_mask", "inspect", "inf_counts", "tensor_counts", "check_policy"]
+           "storable_mask", "inspect", "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
 

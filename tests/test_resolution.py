@@ -387,7 +387,7 @@ def test_persistent_whole_tensor_loss_holds_after_one_continuation_step(info):
 @pytest.mark.parametrize("impl", ["foreach", "compiled", "fused"])
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_skip_holds_a_persistent_loss_as_the_loop_does(cls, impl):
-    """"skip" applies the hold rule as "repair" does (the loop's ``_common.hold_flag``): a tensor whose
+    """"skip" applies the hold rule as "repair" does (the loop's ``_common.keep_flags``): a tensor whose
     gradient is entirely non-finite again within the repeat window writes nothing and counts no update —
     even where the update from its stale state would not be finite. The compiled, native and Triton scalar
     paths held only under "repair", so they counted that update, and the extra event fed the escalation

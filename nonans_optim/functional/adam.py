@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from ..detection import inf_counts, inspect, storable_mask
+from ..detection import Tally, storable_mask, tally
 
 __all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad",
            "gate_overflow_"]
 
 
-def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g with non-finite entries replaced by ``fallback``, int64 [nan, inf] counts of g)."""
-    ok, counts = inspect(g)
-    return torch.where(ok, g, fallback), counts
+def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, Tally]:
+    """(g with non-finite entries replaced by ``fallback``, the :class:`~nonans_optim.detection.Tally` of g)."""
+    ok, t = tally(g)
+    return torch.where(ok, g, fallback), t
 
 
 def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -43,20 +43,22 @@ def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g_counts: torch.Tensor,
-                        m_ok: torch.Tensor | None = None) -> torch.Tensor:
-    """Write ``v_new`` into ``v`` where finite (:func:`gate_overflow_`) and return the moment-stage
-    counts [0, overflow]: entries whose new v (g² > fp32 max) or, given ``m_ok`` (the first moment's
+def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g: Tally,
+                        m_ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``v_new`` into ``v`` where finite (:func:`gate_overflow_`) and return the moment-stage count as
+    (a, b), 0-d int64, overflow = a - b (``_common.record_inf`` takes the pair; the subtraction is done with
+    the step's other counts): entries whose new v (g² > fp32 max) or, given ``m_ok`` (the first moment's
     :func:`gate_overflow_` mask), new m is non-finite although the gradient was finite. A bad gradient
-    entry always makes its new v non-finite and never its m (gated to m itself), hence the subtraction."""
+    entry always makes its new v non-finite and never its m (gated to m itself), so that count is
+    (numel - #both written) - #bad g = #finite g - #both written."""
     v_ok = gate_overflow_(v, v_new)
     both = v_ok if m_ok is None else v_ok & m_ok
-    overflow = (v_new.numel() - torch.count_nonzero(both)) - g_counts.sum()
-    return inf_counts(overflow)
+    return g.finite, torch.count_nonzero(both)
 
 
 def _moments_one(g, m, v, beta1, beta2, repair):
-    """Update m, v in place for one tensor; returns [nan, inf] counts of g and of the moment overflows."""
+    """Update m, v in place for one tensor; returns the Tally of g and the moment-overflow count (a, b) of
+    :func:`_gate_second_moment`."""
     if repair:
         g_in, g_counts = gated_grad(g, m)
         m_ok = gate_overflow_(m, torch.lerp(m, g_in, 1 - beta1))
@@ -68,7 +70,8 @@ def _moments_one(g, m, v, beta1, beta2, repair):
 
 
 def adam_moments_loop(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: float, repair: bool):
-    """Loop form. Returns (list of grad-stage counts, list of moment-stage counts) or (None, None)."""
+    """Loop form. Returns (list of grad-stage Tallies, list of moment-stage counts (a, b): a - b overflows)
+    or (None, None)."""
     gc, mc = [], []
     for g, m, v in zip(grads, exp_avgs, exp_avg_sqs):
         a, b = _moments_one(g, m, v, beta1, beta2, repair)
@@ -106,12 +109,13 @@ def sf_moments(grads, exp_avg_sqs, *, beta2: float, repair: bool):
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         return list(grads), None, None
     d_in, g_counts, m_counts = [], [], []
-    for g, v in zip(grads, exp_avg_sqs):
-        ok, counts = inspect(g)
-        d_in.append(torch.where(ok, g, torch.zeros_like(g)))
-        v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        m_counts.append(_gate_second_moment(v, v_new, counts))
-        g_counts.append(counts)
+    v_news = torch._foreach_mul(exp_avg_sqs, beta2)  # the "off" branch's two ops, out of place
+    torch._foreach_addcmul_(v_news, grads, grads, value=1 - beta2)
+    for g, v, v_new in zip(grads, exp_avg_sqs, v_news):
+        ok, t = tally(g)
+        d_in.append(torch.where(ok, g, 0.0))
+        m_counts.append(_gate_second_moment(v, v_new, t))
+        g_counts.append(t)
     return d_in, g_counts, m_counts
 
 

@@ -308,7 +308,7 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
             const float *gi = g[i];
             /* The same decision on every thread (all read the same inputs), so either all or none reach
              * the barrier. The hold rule needs a pre-pass only when the first entry is already bad. */
-            const int rec = gate && recent[i]; /* the hold rule, under "repair" and "skip" as the loop's hold_flag */
+            const int rec = gate && recent[i]; /* the hold rule, under "repair" and "skip" as the loop's keep_flags */
             const int need1 = policy == POLICY_SKIP || guard || (rec && !finitef_(gi[0]));
             float s = 1.0f;
             int hold = 0, keep_all = 0;

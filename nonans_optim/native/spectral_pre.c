@@ -313,7 +313,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     s = spike_(sqrt(tot), nbad == 0, ema[sel[i]], factor, beta, one_m_beta, &ne, &tr);
                     if (tid == 0) { new_ema[i] = ne; trig[i] = tr; }
                 }
-                /* bit 0, hold: no finite entry and a recent event (the loop's hold_flag, under "repair" and
+                /* bit 0, hold: no finite entry and a recent event (the loop's keep_flags, under "repair" and
                  * "skip"); bit 1, "skip" with a bad entry: the whole step is computed and counted, and
                  * neither the parameter nor any state is written (the loop's snapshot restore). */
                 skip = policy == POLICY_SKIP && nbad > 0;

@@ -1,25 +1,80 @@
 """Pieces shared by the scalar and spectral paths: event counts, the last-line guard, skip snapshots."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import increment_version
 
 from .._checkpoint import GLOBAL_KEY
-from ..detection import inspect
+from ..detection import Tally, tally
 from ..resolution import STAGE_INDEX
 
-__all__ = ["check_sizes", "record", "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written",
-           "take_snapshot", "hold_flag", "commit_update", "restore_if_bad"]
+__all__ = ["check_sizes", "record", "record_tally", "record_inf", "assemble_counts", "eager_guard", "dense_counts",
+           "recent_flags", "mark_written", "resolution_written", "take_snapshot", "keep_flags", "commit_update",
+           "restore_if_bad"]
+
+# The eager paths' counts of a step are kept as they come — per (parameter, stage), a finished [nan, inf]
+# pair, a Tally, or an "inf" count — and assembled once, at the end of the step (assemble_counts): summing
+# and stacking them one tensor at a time cost a handful of 0-d ops per tensor and stage, each a kernel
+# launch on a GPU. ctx["counts"] is that list of (parameter index, stage index, kind, payload).
 
 
 def record(ctx: dict[str, Any], index: int, stage: str, counts: torch.Tensor | None) -> None:
-    """Add this step's [nan, inf] ``counts`` for (parameter ``index``, ``stage``) to the step context."""
+    """Add this step's int64 [nan, inf] ``counts`` for (parameter ``index``, ``stage``) to the step context."""
     if counts is not None:
-        key = (index, STAGE_INDEX[stage])
-        prev = ctx["counts"].get(key)
-        ctx["counts"][key] = counts if prev is None else prev + counts
+        ctx["counts"].append((index, STAGE_INDEX[stage], "pair", counts))
+
+
+def record_tally(ctx: dict[str, Any], index: int, stage: str, t: Tally, keep: torch.Tensor | None = None) -> None:
+    """Add a :class:`~nonans_optim.detection.Tally`'s counts, times the 0-d bool ``keep`` when given (a held
+    tensor writes nothing, so it counts nothing)."""
+    ctx["counts"].append((index, STAGE_INDEX[stage], "tally", (t, keep)))
+
+
+def record_inf(ctx: dict[str, Any], index: int, stage: str, n: torch.Tensor, minus: torch.Tensor | None = None
+               ) -> None:
+    """Add [0, n - minus] (0-d int64 tensors; ``minus`` optional) — overflows, a bypassed preconditioner, a
+    capped spike: the counts that go in the "inf" column."""
+    ctx["counts"].append((index, STAGE_INDEX[stage], "inf", (n, minus)))
+
+
+def assemble_counts(ctx: dict[str, Any], P: int, S: int, device: torch.device,
+                    const: Callable[[str, tuple, torch.device], torch.Tensor]) -> torch.Tensor | None:
+    """This step's (P, S, 2) int64 counts from the records in ``ctx["counts"]`` (None when there are none):
+    each kind stacked and computed once, then added into the block by (parameter, stage), repeated keys
+    summed. ``const(name, values, device)``: a cached int64 tensor of host ``values`` on ``device`` (the
+    optimizer's, so that a step copies nothing to the device once the shapes have been seen)."""
+    recs = ctx["counts"]
+    if not recs:
+        return None
+    rows, keys = [], []
+    pairs = [r for r in recs if r[2] == "pair"]
+    if pairs:
+        rows.append(torch.stack([r[3] for r in pairs]))
+        keys += [r[0] * S + r[1] for r in pairs]
+    tallies = [r for r in recs if r[2] == "tally"]
+    if tallies:
+        ts = [r[3][0] for r in tallies]
+        finite, inf = torch.stack([t.finite for t in ts]), torch.stack([t.inf for t in ts])
+        nonfinite = const("numel", tuple(t.numel for t in ts), device) - finite
+        block = torch.stack((nonfinite - inf, inf), 1)
+        if any(r[3][1] is not None for r in tallies):
+            yes = torch.ones((), dtype=torch.bool, device=device)
+            block = block * torch.stack([yes if r[3][1] is None else r[3][1] for r in tallies]).unsqueeze(1)
+        rows.append(block)
+        keys += [r[0] * S + r[1] for r in tallies]
+    infs = [r for r in recs if r[2] == "inf"]
+    if infs:
+        n = torch.stack([r[3][0] for r in infs]).to(torch.int64)
+        if any(r[3][1] is not None for r in infs):
+            zero = torch.zeros((), dtype=torch.int64, device=device)
+            n = n - torch.stack([zero if r[3][1] is None else r[3][1] for r in infs])
+        rows.append(torch.nn.functional.pad(n.unsqueeze(1), (1, 0)))
+        keys += [r[0] * S + r[1] for r in infs]
+    flat = torch.zeros(P * S, 2, dtype=torch.int64, device=device)
+    flat.index_add_(0, const("keys", tuple(keys), device), torch.cat(rows) if len(rows) > 1 else rows[0])
+    return flat.view(P, S, 2)
 
 
 def eager_guard(grads: list[torch.Tensor], indices: list[int], ctx: dict[str, Any]) -> list[torch.Tensor]:
@@ -67,35 +122,37 @@ def take_snapshot(params: list[torch.Tensor], states: list[dict]) -> list:
             for p, st in zip(params, states)]
 
 
-def hold_flag(ctx: dict[str, Any], index: int, grad_counts: torch.Tensor, numel: int) -> torch.Tensor:
-    """0-d bool: this tensor's gradient had no finite entry *and* the parameter had an event within the
-    repeat window — a persistent loss of observations, where continuing from momentum only drifts.
-    An isolated whole-tensor event still takes its continuation step (DESIGN.md contract item 2)."""
-    return recent_flags(ctx)[index] & (grad_counts.sum() == numel)
+def keep_flags(ctx: dict[str, Any], indices: list[int], grads: list[Tally]) -> list[torch.Tensor]:
+    """Per tensor, 0-d bool: *not* held. Held: the tensor's gradient had no finite entry *and* the
+    parameter had an event within the repeat window — a persistent loss of observations, where continuing
+    from momentum only drifts. An isolated whole-tensor event still takes its continuation step
+    (DESIGN.md contract item 2). Computed for the group at once (four ops, not three per tensor)."""
+    if not grads:
+        return []
+    recent = recent_flags(ctx)
+    recent = recent.index_select(0, ctx["device_indices"](indices, recent.device))
+    return list((~recent | (torch.stack([t.finite for t in grads]) != 0)).unbind())
 
 
-def _guarded_write(dst: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def _guarded_write(dst: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> Tally:
     """dst ← new where finite and ``keep`` (0-d bool: not held) — one select straight into dst; returns the
-    [nan, inf] counts of what was written (a held tensor writes nothing, so it counts nothing)."""
-    ok, counts = inspect(new)
+    tally of ``new`` (:func:`record_tally` applies ``keep`` to it)."""
+    ok, t = tally(new)
     if keep is not None:  # a 0-d flag folded into the bool mask, not a second full-size select
         ok &= keep
-        counts = counts * keep  # integer counts times a bool: exact (no 0·NaN here), one op, not two
     torch.where(ok, new, dst, out=dst)
-    return counts
+    return t
 
 
 def commit_update(p: torch.Tensor, st: dict, y_new: torch.Tensor, z_new: torch.Tensor | None,
-                  ctx: dict[str, Any], index: int, repair: bool, hold: torch.Tensor | None = None) -> None:
+                  ctx: dict[str, Any], index: int, repair: bool, keep: torch.Tensor | None = None) -> None:
     """Write the new parameter (and schedule-free z), keeping the old value wherever the new one is not
     finite — the last line of the invariant, for overflow that no earlier gate could see — and everywhere
-    when ``hold`` (see :func:`hold_flag`) is set."""
+    when ``keep`` (see :func:`keep_flags`) is False."""
     if repair:
-        keep = None if hold is None else ~hold  # once for p and z
-        counts = _guarded_write(p, y_new, keep)
+        record_tally(ctx, index, "update", _guarded_write(p, y_new, keep), keep)
         if z_new is not None:
-            counts = counts + _guarded_write(st["z"], z_new, keep)
-        record(ctx, index, "update", counts)
+            record_tally(ctx, index, "update", _guarded_write(st["z"], z_new, keep), keep)
         return
     p.copy_(y_new)
     if z_new is not None:

@@ -152,7 +152,7 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
         # bench model; the gate itself costs nothing measurable). The parity tests check the counts.
         overflow = count(g_ok & ~v_ok)
         # The update guard as _common._guarded_write: keep the old value where the new one is not finite
-        # or the tensor is held (_common.hold_flag: a persistent whole-tensor loss); a held tensor writes
+        # or the tensor is held (_common.keep_flags: a persistent whole-tensor loss); a held tensor writes
         # nothing, so it counts nothing. Counting the unheld y_new keeps the count in the writing loop.
         keep = torch.zeros((), dtype=torch.bool, device=p.device)
         if recent is not None:
@@ -196,7 +196,7 @@ def _group_kernel(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, sf: bool,
     spike_scales, spike = guard_spikes(grads, ema, sel, factor)
     lrs, rec = gamma * scale.index_select(0, sel), recent.index_select(0, sel)
     rows = [_one_tensor(p, g, m, v, z, lrs[i], bcs[i, 0], bcs[i, 1], hp, sf, policy, decay_z,
-                        rec[i],  # the hold rule, under "repair" and "skip" (_common.hold_flag)
+                        rec[i],  # the hold rule, under "repair" and "skip" (_common.keep_flags)
                         spike_scales[i] if spike_scales is not None else None)
             for i, (p, g, m, v, z) in enumerate(zip(params, grads, ms, vs, zs))]
     per_stage = {s: torch.stack([r[s] for r in rows]) for s in ("grad", "moment", "update")}

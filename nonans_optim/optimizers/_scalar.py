@@ -20,7 +20,8 @@ import torch
 from ..detection import finite_mask
 from ..functional.adam import adam_direction, adam_moments_foreach, adam_moments_loop, sf_moments
 from ..functional.schedule_free import sf_update_
-from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
+from ._common import (commit_update, eager_guard, keep_flags, record_inf, record_tally, restore_if_bad,
+                      take_snapshot)
 from ._compiled import compiled_scalar_update
 from ._fused import fused_scalar_update, native_scalar_update
 from ._fused_triton import triton_scalar_update
@@ -78,6 +79,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
     if not repair:
         g_counts = m_counts = [None] * n
     res = ctx["resolution"]
+    keeps = keep_flags(ctx, indices, g_counts) if repair else [None] * n
     for i, (p, g, st, step) in enumerate(zip(params, grads, states, steps)):
         idx = indices[i]
         # The same tensor arithmetic under every policy, so a clean "repair" step is bit-identical to
@@ -90,9 +92,8 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
             y_new = p * (1 - lr_i * wd) - lr_i * d
             z_new = None
         if repair:
-            record(ctx, idx, "grad", g_counts[i])
-            record(ctx, idx, "moment", m_counts[i])
-        hold = hold_flag(ctx, idx, g_counts[i], g.numel()) if repair else None
-        commit_update(p, st, y_new, z_new, ctx, idx, repair, hold)
+            record_tally(ctx, idx, "grad", g_counts[i])
+            record_inf(ctx, idx, "moment", *m_counts[i])
+        commit_update(p, st, y_new, z_new, ctx, idx, repair, keeps[i])
         if snapshot is not None:
             restore_if_bad(p, st, snapshot[i], finite_mask(g).all())

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from ..detection import finite_mask, inf_counts, inspect, tensor_counts
+from ..detection import finite_mask, tally, tensor_counts
 from ..functional.momentum import momentum_, mona_
 from ..functional.normuon import normuon, rms_match
 from ..functional.schedule_free import sf_update_
 from ..ns5 import ns5
 from ..routing import matrix_shape
-from ._common import commit_update, eager_guard, hold_flag, record, restore_if_bad, take_snapshot
+from ._common import (commit_update, eager_guard, keep_flags, record, record_inf, record_tally, restore_if_bad,
+                      take_snapshot)
 from ._compiled_spectral import compiled_spectral_update
 from ._fused_spectral import fused_spectral_update
 
@@ -100,17 +101,17 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
     snapshot = None
     if repair and res.policy == "skip":
         snapshot = take_snapshot(params, states)
-    Ms, vs, row_oks, tensor_oks, holds = [], [], [], [], []
+    Ms, vs, row_oks, tensor_oks, g_tallies = [], [], [], [], []
     for p, g, st, idx in zip(params, grads, states, indices):
         shape = matrix_shape(p)
         G = g.reshape(shape)
         ok = tensor_ok = None
         if repair:
-            ok, counts = inspect(G)
-            record(ctx, idx, "grad", counts)
-            holds.append(hold_flag(ctx, idx, counts, G.numel()))
+            ok, t = tally(G)
+            record_tally(ctx, idx, "grad", t)
+            g_tallies.append(t)
             if snapshot is not None or "shampoo" in comps:
-                tensor_ok = counts.sum() == 0
+                tensor_ok = t.complete()
         overflow = None
         if "mona" in comps:
             G, overflow = mona_(G, st["mona_prev_grad"].view(shape), st["mona_diff_avg"].view(shape), ok,
@@ -118,8 +119,8 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         M, buf_overflow = momentum_(G, st["momentum_buffer"].view(shape), ok, mu=group["momentum"],
                                     nesterov=group["nesterov"])
         if repair:  # entries where a buffer overflowed with a finite gradient (and kept its value): the moment stage
-            over = torch.count_nonzero(buf_overflow if overflow is None else overflow | buf_overflow)
-            record(ctx, idx, "moment", inf_counts(over))
+            record_inf(ctx, idx, "moment",
+                       torch.count_nonzero(buf_overflow if overflow is None else overflow | buf_overflow))
         if "shampoo" in comps:
             from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
             # The paper's order (yorkerlin/KL-Methods kl_opt.py): precondition with the factors of the
@@ -130,8 +131,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                                               beta=group["shampoo_beta"],
                                               refresh_every=group["shampoo_refresh_every"])
             if repair:
-                flag = (internal_bad | bypassed).to(torch.int64)
-                record(ctx, idx, "direction", inf_counts(flag))
+                record_inf(ctx, idx, "direction", internal_bad | bypassed)
         Ms.append(M.float())
         vs.append(st.get("normuon_row_sq"))
         row_oks.append(ok.all(dim=-1) if (repair and "normuon" in comps) else None)
@@ -158,6 +158,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
                     v_old.copy_(v_new)
 
     wd = group["weight_decay"]
+    keeps = keep_flags(ctx, indices, g_tallies) if repair else [None] * len(params)
     for i, (p, st, idx) in enumerate(zip(params, states, indices)):
         U = Us[i].view_as(p).to(p.dtype)
         lr_i = gamma * (res.scale(idx) if res is not None else ctx["unit_scale"])
@@ -165,6 +166,6 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
             y_new, z_new = sf_update_(p, st["z"], U, lr_i, c=c, beta=group["sf_beta"], weight_decay=wd)
         else:
             y_new, z_new = p * (1 - lr_i * wd) - lr_i * U, None
-        commit_update(p, st, y_new, z_new, ctx, idx, repair, holds[i] if repair else None)
+        commit_update(p, st, y_new, z_new, ctx, idx, repair, keeps[i])
         if snapshot is not None:
             restore_if_bad(p, st, snapshot[i], tensor_oks[i])

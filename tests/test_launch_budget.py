@@ -1,0 +1,62 @@
+"""How many kernels "repair" adds to an eager (foreach) step: a budget per parameter.
+
+On a GPU an eager step of a small model is bound by the host issuing kernels, one per torch op (RESULTS.md,
+"sync-audit": the default foreach SF-NorMuon step launched about 4200 kernels under "repair" where "off"
+launched 750, and took 4x as long). Per tensor the resolution needs a few elementwise passes (detection,
+the gates, the counts of each stage); everything else — summing counts, hold flags, stacking — is done for
+the whole step at once (``optimizers/_common.assemble_counts``, ``keep_flags``). This test counts the torch
+ops of one clean step under each policy, on the CPU (an op here is a launch there), so that per-tensor
+bookkeeping crawling back in fails here rather than in a GPU session that happens to measure it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from optim_infos import INFOS
+
+# Extra torch ops per parameter that "repair" may add to a clean foreach step, counted at the margin
+# (blocks of Linear + LayerNorm added to a model: four parameters each, one matrix and three vectors), so
+# that the per-step constants (the record, the spike guard's statistics) do not dilute it. Measured with
+# _extra_ops on 2026-11-25: 35 (AdamW) to 51 (FullFusion) while each tensor's counts were summed, stacked
+# and gated one tensor at a time; 20 to 28.25 once they were assembled per step.
+BUDGET = 30
+# Views (reshape, select, unbind...) launch nothing.
+_FREE = {"unbind", "split", "detach", "lift_fresh", "alias"}
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.overloadpacket.__name__ in _FREE):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _extra_ops(info, blocks: int) -> tuple[int, int]:
+    """(ops "repair" adds to one clean foreach step, parameter count) of a stack of ``blocks`` blocks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(blocks)
+                                  for m in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))])
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt = info.make(model.parameters(), impl="foreach")
+    n = {}
+    for policy in ("off", "repair"):
+        opt.resolution_policy = policy
+        opt.step()  # the first step under a policy logs the switch
+        with _Ops() as c:
+            opt.step()
+        n[policy] = c.n
+    return n["repair"] - n["off"], sum(1 for _ in model.parameters())
+
+
+@pytest.mark.parametrize("info", [i for i in INFOS if "impl" not in i.kwargs], ids=lambda i: i.name)
+def test_repair_adds_few_ops_per_parameter(info):
+    (e1, p1), (e2, p2) = _extra_ops(info, 2), _extra_ops(info, 6)
+    per_param = (e2 - e1) / (p2 - p1)
+    assert per_param <= BUDGET, (f"{info.name}: 'repair' adds {per_param:.1f} torch ops per parameter to a clean "
+                                 f"foreach step (budget {BUDGET})")
