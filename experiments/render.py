@@ -47,6 +47,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
     "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),
+    "op-count": ("op_count.json", "experiments.op_count:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),
 }
 

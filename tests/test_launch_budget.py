@@ -5,15 +5,16 @@ On a GPU an eager step of a small model is bound by the host issuing kernels, on
 launched 750, and took 4x as long). Per tensor the resolution needs a few elementwise passes (detection,
 the gates, the counts of each stage); everything else — summing counts, hold flags, stacking — is done for
 the whole step at once (``optimizers/_common.assemble_counts``, ``keep_flags``). This test counts the torch
-ops of one clean step under each policy, on the CPU (an op here is a launch there), so that per-tensor
+ops of one clean step under each policy on the CPU (an op here is a launch there; ``experiments/op_count.py``
+counts them, and ``python -m experiments op-count`` publishes them for the default GPT), so that per-tensor
 bookkeeping crawling back in fails here rather than in a GPU session that happens to measure it.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from experiments.op_count import count_ops
 from optim_infos import INFOS
 
 # Extra torch ops per parameter that "repair" may add to a clean foreach step, counted at the margin
@@ -22,19 +23,6 @@ from optim_infos import INFOS
 # _extra_ops on 2026-11-25: 35 (AdamW) to 51 (FullFusion) while each tensor's counts were summed, stacked
 # and gated one tensor at a time; 20 to 28.25 once they were assembled per step.
 BUDGET = 30
-# Views (reshape, select, unbind...) launch nothing.
-_FREE = {"unbind", "split", "detach", "lift_fresh", "alias"}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func.is_view or func.overloadpacket.__name__ in _FREE):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _extra_ops(info, blocks: int) -> tuple[int, int]:
@@ -48,9 +36,7 @@ def _extra_ops(info, blocks: int) -> tuple[int, int]:
     for policy in ("off", "repair"):
         opt.resolution_policy = policy
         opt.step()  # the first step under a policy logs the switch
-        with _Ops() as c:
-            opt.step()
-        n[policy] = c.n
+        n[policy] = count_ops(opt.step)
     return n["repair"] - n["off"], sum(1 for _ in model.parameters())
 
 

@@ -1,0 +1,134 @@
+"""``python -m experiments op-count`` — the torch ops one clean ``step()`` issues, under "repair" and "off".
+
+Why count ops on a CPU: on a GPU an eager op is a kernel launch, and an eager optimizer step of a small model
+is bound by the host issuing them (RESULTS.md, "sync-audit": on an H100 the default foreach SF-NorMuon step
+launched 4244 kernels under "repair" and 752 under "off", and took about 4x as long). What "repair" adds to
+that count is the resolution step's GPU overhead in the making, and it can be counted anywhere: a
+``TorchDispatchMode`` sees every aten op a step dispatches. Views (reshape, select, unbind...) launch
+nothing and are not counted. A count is exact and repeatable — unlike a CPU timing of the same code — so a
+change to the eager paths can be judged by it before a GPU session times it.
+
+Rows: each optimizer of the library on the default GPT of ``experiments/_models.py`` with synthetic
+gradients, under ``impl="foreach"`` (what ``"auto"`` runs for the spectral optimizers on CUDA) and
+``impl="fused"`` (on this CPU the native loops, few ops whatever the policy). One optimizer whose policy is
+switched, as in ``experiments/overhead.py``; a step is counted after one warm-up step under its policy.
+
+Output: ``results/op_count.json`` (or ``--out``) and its table in RESULTS.md ("op-count"). ``--baseline``: a
+JSON of this command from another commit, shown beside.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from experiments._models import DEFAULT, build_gpt, synthetic_grads
+from experiments.questions_io import ROOT, fmt, publish
+
+__all__ = ["TorchOps", "count_ops", "run", "render", "main"]
+
+OPTIMIZERS = ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")
+IMPLS = ("foreach", "fused")
+_FREE = {"unbind", "split", "detach", "lift_fresh", "alias"}  # views and no-ops that launch nothing
+
+
+class TorchOps(TorchDispatchMode):
+    """Counts the aten ops dispatched inside the block that launch a kernel (views excluded): ``.n``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.overloadpacket.__name__ in _FREE):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], None]) -> int:
+    """The ops ``fn()`` dispatches (see :class:`TorchOps`)."""
+    with TorchOps() as c:
+        fn()
+    return c.n
+
+
+def _row(name: str, impl: str) -> dict[str, Any]:
+    import nonans_optim as no
+
+    model = build_gpt(DEFAULT)
+    for p, g in zip(model.parameters(), synthetic_grads(model)):
+        p.grad = g
+    opt = getattr(no, name)(model.named_parameters(), impl=impl)
+    opt.step()
+    ops = {}
+    for policy in ("off", "repair"):
+        opt.resolution_policy = policy
+        opt.step()  # the first step under a policy logs the switch
+        ops[policy] = count_ops(opt.step)
+    params = sum(1 for _ in model.parameters())
+    return {"optimizer": name, "impl": impl, "params": params, "off": ops["off"], "repair": ops["repair"]}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run() -> dict[str, Any]:
+    torch.manual_seed(0)
+    rows = [_row(name, impl) for name in OPTIMIZERS for impl in IMPLS]
+    return {"meta": {"commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                     "torch": torch.__version__}, "rows": rows}
+
+
+def render(data: dict[str, Any]) -> str:
+    meta, base = data["meta"], data.get("baseline")
+    before = {(r["optimizer"], r["impl"]): r for r in base["rows"]} if base else {}
+    lines = [f"Command: `python -m experiments op-count` (JSON: `results/op_count.json`), commit {meta['commit']}, "
+             f"{meta['date']}, torch {meta['torch']}. Torch ops (a kernel launch each on a GPU; views not "
+             "counted) of one clean step of the default GPT (synthetic gradients), one optimizer whose policy is "
+             "switched. Extra per parameter: (repair − off) / parameters."]
+    if base:
+        lines.append(f"Before: the same command on commit {base['meta']['commit']} ({base['meta']['date']}), "
+                     "embedded in the JSON with `--baseline`.")
+    head = ["optimizer", "impl", "parameters", "ops off", "ops repair", "extra per parameter"]
+    if base:
+        head += ["before: ops repair", "before: extra per parameter"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in data["rows"]:
+        cells = [r["optimizer"], r["impl"], r["params"], r["off"], r["repair"],
+                 fmt((r["repair"] - r["off"]) / r["params"], 3)]
+        b = before.get((r["optimizer"], r["impl"]))
+        if base:
+            cells += ([b["repair"], fmt((b["repair"] - b["off"]) / b["params"], 3)] if b else ["—", "—"])
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments op-count", description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", default=None, help="a JSON of this command from another commit, shown beside")
+    ap.add_argument("--out", default=str(ROOT / "results" / "op_count.json"))
+    ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
+    args = ap.parse_args(argv)
+    data = run()
+    if args.baseline:
+        base = json.loads(Path(args.baseline).read_text())
+        base.pop("baseline", None)
+        data["baseline"] = base
+    publish(data, Path(args.out), render(data), args.results_md, "op-count",
+            "Torch ops per clean step: what \"repair\" adds to the eager paths (issue 3)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
