@@ -188,7 +188,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError naming a bad hyperparameter of ``group`` (the defaults, or one param group);
         subclasses add theirs. ``warmup_steps`` is normalised to an int in place."""
-        _check_float("lr", group["lr"])
+        _check_float("lr", group["lr"], device_ok=True)
         _check_float("weight_decay", group.get("weight_decay", 0.0))
         if "eps" in group:
             _check_float("eps", group["eps"])

@@ -12,10 +12,20 @@ __all__ = ["_check_float", "_check_int", "check_betas"]
 
 
 def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
-                 high_open: bool = False) -> None:
+                 high_open: bool = False, device_ok: bool = False) -> None:
+    """A finite number in [low, high] (or [low, high)); a one-element tensor counts as its value.
+
+    A tensor on another device than the CPU is refused unless ``device_ok`` (lr: γ = lr · warmup is a
+    device op, see ``NonansOptimizer._schedule``): the step reads every other hyperparameter on the host —
+    into the native loops' arguments, the Triton kernels' constant table, Python arithmetic — and reading
+    a CUDA tensor there is a device sync at every ``step()``, which the resolution contract forbids."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        if not (device_ok or value.is_cpu):
+            raise ValueError(f"{name} is a {value.device.type} tensor: step() reads {name} on the host, which "
+                             "for a device tensor is a sync at every step; pass a float or a CPU tensor (only lr "
+                             "may live on the parameters' device)")
         value = float(value)  # construction time only, never inside step()
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")

@@ -213,6 +213,31 @@ def test_add_param_group_checks_like_the_constructor(bad, match):
     train_steps(model, opt, 1)
 
 
+@pytest.mark.parametrize("name, value", [
+    ("weight_decay", 0.01), ("eps", 1e-8), ("momentum", 0.9), ("betas", (0.9, 0.99)), ("normuon_eps", 1e-8),
+])
+def test_hyperparameters_on_a_device_are_refused_but_cpu_tensors_step(name, value):
+    """step() reads every hyperparameter but lr on the host; a device tensor there would be a sync at every
+    step. Refused where given (the meta device stands in for a GPU), naming it; a CPU tensor steps as the
+    float does (to rounding: a tensor's arithmetic is fp32, the float's double)."""
+    cls = no.AdamW if name in ("eps", "betas") else no.SFNorMuon
+    dev = (tuple(torch.tensor(b, device="meta") for b in value) if name == "betas"
+           else torch.tensor(value, device="meta"))
+    with pytest.raises(ValueError, match=f"{name}.*meta tensor"):
+        cls([nn.Parameter(torch.randn(4, 4))], **{name: dev})
+    opt = cls([nn.Parameter(torch.randn(4, 4))])
+    with pytest.raises(ValueError, match=f"{name}.*meta tensor"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], name: dev})
+    assert len(opt.param_groups) == 1
+    host = tuple(torch.tensor(b) for b in value) if name == "betas" else torch.tensor(value)
+    models = [make_model(), make_model()]
+    opts = [cls(models[0].parameters(), **{name: value}), cls(models[1].parameters(), **{name: host})]
+    for m, o in zip(models, opts):
+        train_steps(m, o, 3)
+    for p, q in zip(*(m.parameters() for m in models)):  # betas 1.5e-8 apart; (0.9, 0.999) would be 5e-6
+        torch.testing.assert_close(p, q, rtol=0.0, atol=1e-7)
+
+
 @pytest.mark.parametrize("info", INFOS[:2], ids=IDS[:2])
 def test_add_param_group_refuses_complex_and_vector_on_spectral(info):
     opt = info.make([nn.Parameter(torch.randn(4, 4))])
