@@ -341,12 +341,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
 
     def _device_indices(self, idx: list[int], device: torch.device) -> torch.Tensor:
         """int64 tensor of ``idx`` on ``device``, built once per index set (no host→device copy per step)."""
-        key = (tuple(idx), str(device))
-        sel = self._index_cache.get(key)
-        if sel is None:
-            sel = to_device(torch.tensor(idx, dtype=torch.int64), device)
-            self._index_cache[key] = sel
-        return sel
+        return self._device_constant("indices", tuple(idx), device)
 
     def _before_groups(self, ctx: dict[str, Any]) -> None:
         """Optimizer-wide quantities computed once per step (subclasses add the Polyak multiplier)."""
@@ -398,15 +393,16 @@ class NonansOptimizer(Checkpointed, Optimizer):
             return dense if dense is not None else torch.zeros(P, len(STAGES), 2, dtype=torch.int64, device=device)
         return flat if dense is None else flat + dense
 
-    def _device_constant(self, name: str, values: tuple, device: torch.device) -> torch.Tensor:
-        """int64 tensor of host ``values`` on ``device``, built once per (name, values) (no host→device copy
-        per step once a step's shape has been seen)."""
-        key = (name, values, str(device))
+    def _device_constant(self, name: str, values: tuple, device: torch.device,
+                         dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A tensor of host ``values`` on ``device``, built once per (name, values, dtype): a step then copies
+        nothing to the device once its shapes have been seen (index sets, sizes, the count layout)."""
+        key = (name, values, str(device), dtype)
         t = self._index_cache.get(key)
         if t is None:
-            if len(self._index_cache) > 256:  # a bound, for a run whose count patterns keep changing
+            if len(self._index_cache) > 256:  # a bound, for a run whose patterns keep changing
                 self._index_cache.clear()
-            t = self._index_cache[key] = to_device(torch.tensor(values, dtype=torch.int64), device)
+            t = self._index_cache[key] = to_device(torch.tensor(values, dtype=dtype), device)
         return t
 
     # ------------------------------------------------------------------ telemetry

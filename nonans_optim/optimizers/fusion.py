@@ -17,7 +17,6 @@ import torch
 
 from .._base import NonansOptimizer
 from .._checkpoint import needs_init
-from .._transfer import to_device
 from .._validation import _check_float, _check_int, check_betas
 from ..detection import inspect
 from ..functional.polyak import update_polyak
@@ -163,11 +162,7 @@ class Fusion(NonansOptimizer):
         wide = torch.float64 if any(g.dtype is torch.float64 for g in grads) else torch.float32
         l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=wide)).float()
         ok = torch.isfinite(l1)
-        sizes = tuple(g.numel() for g in grads)
-        numels = self._index_cache.get(("numels", sizes, str(l1.device)))
-        if numels is None:  # built once per gradient set: no host→device copy per step
-            numels = to_device(torch.tensor(sizes, dtype=torch.float32), l1.device)
-            self._index_cache[("numels", sizes, str(l1.device))] = numels
+        numels = self._device_constant("numels", tuple(g.numel() for g in grads), l1.device, torch.float32)
         l1_sum = torch.where(ok, l1, torch.zeros_like(l1)).sum()
         count = torch.where(ok, numels, torch.zeros_like(numels)).sum()
         mult, loss_bad = update_polyak(self._global()["polyak"], ctx["loss"], l1_sum, count)
