@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import torch
 
 import nonans_optim as no
 from experiments.overhead_controls import spread, switched
-from experiments.questions_io import fmt, publish, read_json
+from experiments.questions_io import checkout_commit, fmt, publish, read_json
 from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
 
 __all__ = ["LAYOUTS", "page_view", "build", "run", "render", "main"]
@@ -107,17 +106,6 @@ def _child(args) -> dict[str, Any]:
     return run_child("experiments.aliasing", child_argv(args) + ["--entries", str(args.entries)])
 
 
-def _commit() -> str:
-    """The checkout's commit, marked "+changes" when the native sources differ from it."""
-    def git(*a: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
-    head = git("rev-parse", "--short", "HEAD")
-    if head.returncode != 0:
-        return "unknown"
-    dirty = git("diff", "--quiet", "HEAD", "--", "nonans_optim/native").returncode != 0
-    return head.stdout.strip() + ("+changes" if dirty else "")
-
-
 def run(args) -> dict[str, Any]:
     runs = [_child(args) for _ in range(args.processes)]
     if not runs[0]["rows"]:
@@ -130,7 +118,7 @@ def run(args) -> dict[str, Any]:
                      "repair_vs_off_low": min(r["repair_vs_off"] for r in per),
                      "repair_vs_off_high": max(r["repair_vs_off"] for r in per)})
     data = {"command": "python -m experiments aliasing" + (" --quick" if args.quick else ""),
-            "machine": machine_info(), "commit": _commit(), "simd_width": runs[0]["simd_width"],
+            "machine": machine_info(), "commit": checkout_commit("nonans_optim/native"), "simd_width": runs[0]["simd_width"],
             "entries": QUICK_ENTRIES if args.quick else args.entries, "threads": args.threads,
             "rounds": args.rounds, "processes": args.processes, "rows": rows}
     if args.baseline:

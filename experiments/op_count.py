@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments._models import DEFAULT, build_gpt, synthetic_grads
-from experiments.questions_io import ROOT, fmt, publish
+from experiments.questions_io import ROOT, checkout_commit, fmt, publish
 
 __all__ = ["TorchOps", "count_ops", "run", "render", "main"]
 
@@ -75,18 +74,10 @@ def _row(name: str, impl: str) -> dict[str, Any]:
     return {"optimizer": name, "impl": impl, "params": params, "off": ops["off"], "repair": ops["repair"]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run() -> dict[str, Any]:
     torch.manual_seed(0)
     rows = [_row(name, impl) for name in OPTIMIZERS for impl in IMPLS]
-    return {"meta": {"commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    return {"meta": {"commit": checkout_commit("nonans_optim"), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                      "torch": torch.__version__}, "rows": rows}
 
 

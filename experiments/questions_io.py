@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -17,7 +18,7 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["ROOT", "RESULTS", "write_json", "read_json", "new_figure", "save_figure", "wandb_run",
-           "replace_section", "md_table", "fmt", "mean_sd", "environment"]
+           "replace_section", "md_table", "fmt", "mean_sd", "environment", "checkout_commit"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -28,6 +29,21 @@ def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def checkout_commit(path: str) -> str:
+    """The checkout's short commit, marked "+changes" when ``path`` (the code the numbers measure, relative
+    to the repository) differs from it; "unknown" outside a git checkout."""
+    def git(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        dirty = git("diff", "--quiet", "HEAD", "--", path).returncode != 0
+    except OSError:  # no git on this machine
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty else "")
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
