@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments._models import DEFAULT, build_gpt, synthetic_grads
 from experiments.questions_io import ROOT, checkout_commit, fmt, publish
 
-__all__ = ["TorchOps", "count_ops", "run", "render", "main"]
+__all__ = ["TorchOps", "count_ops", "ops_by_policy", "run", "render", "main"]
 
 OPTIMIZERS = ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion", "Muon")
 IMPLS = ("foreach", "fused")
@@ -57,6 +57,17 @@ def count_ops(fn: Callable[[], None]) -> int:
     return c.n
 
 
+def ops_by_policy(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """{"off": ops, "repair": ops} of one clean ``opt.step()`` under each policy (one optimizer, switched;
+    each counted after a first step under its policy, which logs the switch)."""
+    ops = {}
+    for policy in ("off", "repair"):
+        opt.resolution_policy = policy
+        opt.step()
+        ops[policy] = count_ops(opt.step)
+    return ops
+
+
 def _row(name: str, impl: str) -> dict[str, Any]:
     import nonans_optim as no
 
@@ -65,11 +76,7 @@ def _row(name: str, impl: str) -> dict[str, Any]:
         p.grad = g
     opt = getattr(no, name)(model.named_parameters(), impl=impl)
     opt.step()
-    ops = {}
-    for policy in ("off", "repair"):
-        opt.resolution_policy = policy
-        opt.step()  # the first step under a policy logs the switch
-        ops[policy] = count_ops(opt.step)
+    ops = ops_by_policy(opt)
     params = sum(1 for _ in model.parameters())
     return {"optimizer": name, "impl": impl, "params": params, "off": ops["off"], "repair": ops["repair"]}
 

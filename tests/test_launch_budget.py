@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.op_count import count_ops
+from experiments.op_count import ops_by_policy
 from optim_infos import INFOS
 
 # Extra torch ops per parameter that "repair" may add to a clean foreach step, counted at the margin
@@ -31,12 +31,7 @@ def _extra_ops(info, blocks: int) -> tuple[int, int]:
     model = torch.nn.Sequential(*[m for _ in range(blocks)
                                   for m in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))])
     model(torch.randn(4, 16)).square().mean().backward()
-    opt = info.make(model.parameters(), impl="foreach")
-    n = {}
-    for policy in ("off", "repair"):
-        opt.resolution_policy = policy
-        opt.step()  # the first step under a policy logs the switch
-        n[policy] = count_ops(opt.step)
+    n = ops_by_policy(info.make(model.parameters(), impl="foreach"))
     return n["repair"] - n["off"], sum(1 for _ in model.parameters())
 
 
