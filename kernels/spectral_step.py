@@ -1,11 +1,11 @@
 """The elementwise work around NS5 on the spectral path as multi-tensor Triton launches (CUDA).
 
-What ``impl="fused"`` runs on a GPU for NS5 (+ NorMuon) (+ schedule-free) groups — SF-NorMuon and Muon —
-where the foreach path issues a few dozen small launches per matrix (about 80 under "repair", 27 under "off":
-RESULTS.md, "sync-audit"), and a step of a small model is bound by the host issuing them. The arithmetic is
-that of ``nonans_optim/optimizers/_compiled_spectral.py`` (``_pre`` and ``_post``), whose CPU twin is
-``nonans_optim/native/spectral_pre.c`` / ``spectral_post.c``; the ground truth is ``impl="loop"``
-(tests/test_kernels_spectral_step.py compares with it under every policy, with faults).
+What ``impl="fused"`` runs on a GPU for NS5 groups with any of MONA, KL-Shampoo, NorMuon and schedule-free —
+SF-NorMuon, FullFusion, Muon — where the foreach path issues a few dozen small launches per matrix (about 80
+under "repair", 27 under "off": RESULTS.md, "sync-audit"), and a step of a small model is bound by the host
+issuing them. The arithmetic is that of ``nonans_optim/optimizers/_compiled_spectral.py`` (``_pre`` and
+``_post``), whose CPU twin is ``nonans_optim/native/spectral_pre.c`` / ``spectral_post.c``; the ground truth
+is ``impl="loop"`` (tests/test_kernels_spectral_step.py compares with it under every policy, with faults).
 
 Launches per group (no host synchronisation: each decision is read from device memory by the next launch):
 
@@ -17,8 +17,9 @@ Launches per group (no host synchronisation: each decision is read from device m
   and the buffer, 8 bytes per fp32 entry read) rather than stored and re-read (a 4-byte write and read more);
 * ``_norm_kernel``: per tensor, the block partials added in block order (deterministic, like the C loop's
   row order), 1/‖M‖;
-* ``_write_kernel``: the momentum buffer and X in the hot dtype into each shape bucket's (B, m, n) stack,
-  the gradient and moment counts; a tensor's first block commits the guard's EMA and spike count;
+* ``_write_kernel``: the momentum buffer (and MONA's G_prev and A) and X in the hot dtype into each shape
+  bucket's (B, m, n) stack, the gradient and moment counts; a tensor's first block commits the guard's EMA
+  and spike count;
 * (the caller runs the batched NS5 iteration on each bucket: matmuls, nothing to fuse);
 * ``_rows_kernel`` (in ``_spectral_post.py``, with the next two): one program per matrix row — Σⱼ O²,
   Σⱼ O, the NorMuon row moment (gated by whether the row's gradient was entirely finite) and 1/dᵢ;
@@ -28,17 +29,23 @@ Launches per group (no host synchronisation: each decision is read from device m
   hold rule and "skip", and the update counts.
 
 "off" issues the six launches of ``_msq_kernel`` … ``_apply_kernel``; "repair" adds the two decision
-launches (and the optimizer's one-launch record after the step). ``_write_kernel`` is the first persistent
-write: a launch failing before it (a compile error on another Triton version) leaves the optimizer as it
-was and the caller falls back to ``impl="compiled"``. The three kernels after it are therefore compiled
-before it, once per configuration (:func:`spectral_post_` with ``warmup``), so that their compile errors
-surface while nothing has been written.
+launches (and the optimizer's one-launch record after the step). MONA is elementwise and rides in the
+momentum launches (``_mona``). KL-Shampoo preconditions M before it is normalised: ``raw`` skips the two
+norm launches, the write kernel stores M itself (fp32), and the caller runs the preconditioner's matmuls
+and the normalisation between it and NS5 (``nonans_optim/optimizers/_kl_stacks.py``), with this step's
+decisions read there as device tensors.
+
+``_write_kernel`` is the first persistent write: a launch failing before it (a compile error on another
+Triton version) leaves the optimizer as it was and the caller falls back to ``impl="compiled"``. The three
+kernels after it are therefore compiled before it, once per configuration (:func:`spectral_post_` with
+``warmup``), so that their compile errors surface while nothing has been written.
 
 Tensors are reached through int64 address tables (four columns; column 1 is the gradient, which the shared
-statistics kernel reads): pre (buffer, g, X slot, row moment v) and post (p, g, z, O slot). Parameters,
-gradients and z are fp32; the momentum buffer fp32 or bf16; X/O fp32 or bf16. Math is fp32 (the norms
-float64), compiled without FMA contraction so that the "repair" and "off" variants of every kernel compute
-the same bits on a clean step.
+statistics kernel reads): pre (buffer, g, X slot, row moment v; with MONA n rows more, (G_prev, A, -, -),
+read through the view from row n) and post (p, g, z, O slot). Parameters, gradients, z and MONA's buffers
+are fp32; the momentum buffer fp32 or bf16; X/O fp32 or bf16. Math is fp32 (the norms float64), compiled
+without FMA contraction so that the "repair" and "off" variants of every kernel compute the same bits on a
+clean step.
 """
 from __future__ import annotations
 
@@ -68,47 +75,79 @@ _BLOCK_C = 32 if interpreting() else 1024  # columns per iteration of the row lo
 
 
 @triton.jit
-def _momentum(g, bo, s, one_m_mu, mu, NESTEROV: tl.constexpr, GATE: tl.constexpr, BUF_TY: tl.constexpr,
-              EMULATE: tl.constexpr):
-    """(M, new buffer, g finite, buffer overflowed) of one block: _compiled_spectral._pre's momentum. A
-    missing entry keeps the buffer's value; under GATE a buffer that overflows as stored with a finite g is
-    a missing observation too (it and M continue from the old value)."""
+def _mona(G, ok, po, ao, first, alpha, one_m_beta, GATE: tl.constexpr):
+    """(G̃ = G + α·A, new G_prev, new A, A overflowed with a finite g) of one block: functional/momentum.py's
+    ``mona_`` (A ← lerp(A, G - G_prev, 1-β), G_prev starting as the first gradient). Under GATE a missing
+    entry keeps both buffers, and A keeps its value where the new one overflowed although g was finite."""
+    start = G
+    if GATE:
+        start = tl.where(ok, G, 0.0)
+    prev = tl.where(first, start, po)
+    na = _lerp(ao, G - prev, one_m_beta)
+    over = ok & ~ok
+    an = na
+    pn = G
+    if GATE:
+        keep = ok & _finite(na)
+        over = ok & ~keep
+        an = tl.where(keep, na, ao)
+        pn = tl.where(ok, G, prev)
+    return G + alpha * an, pn, an, over
+
+
+@triton.jit
+def _momentum(g, bo, po, ao, s, HP, first, NESTEROV: tl.constexpr, GATE: tl.constexpr, MONA: tl.constexpr,
+              BUF_TY: tl.constexpr, EMULATE: tl.constexpr):
+    """(M, new buffer, g finite, a buffer overflowed, MONA's new G_prev and A) of one block:
+    _compiled_spectral._pre's momentum (MONA first, when on; ``po``/``ao`` are ignored otherwise). HP =
+    [1-μ, μ, α, 1-β, ...]. A missing entry keeps the buffer's value; under GATE a buffer that overflows as
+    stored with a finite g is a missing observation too (it and M continue from the old value)."""
     ok = _finite(g)
     G = g * s  # s == 1.0 exactly unless the spike guard fired
+    over = ok & ~ok
+    pn, an = po, ao
+    if MONA:
+        G, pn, an, over = _mona(G, ok, po, ao, first, tl.load(HP + 2), tl.load(HP + 3), GATE)
     g_in = G
     if GATE:
         g_in = tl.where(ok, G, bo)
-    nb = _lerp(bo, g_in, one_m_mu)
-    over = ok & ~ok
+    nb = _lerp(bo, g_in, tl.load(HP))
     if GATE:
         nb_ok = kept_finite(nb, BUF_TY, EMULATE)
-        over = ~nb_ok
+        over = over | ~nb_ok
         nb = tl.where(nb_ok, nb, bo)
         g_in = tl.where(nb_ok, g_in, bo)
     M = nb
     if NESTEROV:
-        M = _lerp(g_in, nb, mu)
-    return M, nb, ok, over
+        M = _lerp(g_in, nb, tl.load(HP + 1))
+    return M, nb, ok, over, pn, an
 
 
 @triton.jit
-def _pre_block(ADDR, t, start, rem, HP, s, NESTEROV: tl.constexpr, GATE: tl.constexpr, G_TY: tl.constexpr,
-               BUF_TY: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr,
-               MASKED: tl.constexpr):
-    """One block's inputs and momentum: (M, new buffer, old buffer, g, g finite, overflow, idx, mask)."""
+def _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV: tl.constexpr, GATE: tl.constexpr,
+               MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, ALIGNED: tl.constexpr,
+               EMULATE: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """One block's inputs and momentum: (M, new buffer, old buffer, g, g finite, overflow, MONA's old and
+    new G_prev and A, idx, mask). MONA_ADDR: rows (G_prev, A, -, -) of the address table, one per tensor."""
     g_ptr = _column(ADDR, t, 1, G_TY, start, ALIGNED)
     b_ptr = _column(ADDR, t, 0, BUF_TY, start, ALIGNED)
     idx = tl.arange(0, BLOCK)
     mask = idx < rem
     g = _load(g_ptr, idx, mask, MASKED)  # masked entries read 0: M = 0 there, no square
     bo = _load(b_ptr, idx, mask, MASKED)
-    M, nb, ok, over = _momentum(g, bo, s, tl.load(HP), tl.load(HP + 1), NESTEROV, GATE, BUF_TY, EMULATE)
-    return M, nb, bo, g, ok, over, idx, mask
+    po, ao = g, g
+    first = t < 0
+    if MONA:
+        po = _load(_column(MONA_ADDR, t, 0, tl.float32, start, ALIGNED), idx, mask, MASKED)
+        ao = _load(_column(MONA_ADDR, t, 1, tl.float32, start, ALIGNED), idx, mask, MASKED)
+        first = tl.load(HP + 4 + t) != 0.0
+    M, nb, ok, over, pn, an = _momentum(g, bo, po, ao, s, HP, first, NESTEROV, GATE, MONA, BUF_TY, EMULATE)
+    return M, nb, bo, g, ok, over, po, ao, pn, an, idx, mask
 
 
 @triton.jit
-def _msq_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, DEC, MSQ, NESTEROV: tl.constexpr, GATE: tl.constexpr,
-                GUARD: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, ALIGNED: tl.constexpr,
+def _msq_kernel(ADDR, MONA_ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, DEC, MSQ, NESTEROV: tl.constexpr,
+                GATE: tl.constexpr, GUARD: tl.constexpr, MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, ALIGNED: tl.constexpr,
                 EMULATE: tl.constexpr, BLOCK: tl.constexpr):
     """MSQ[pid] = Σ M² over this program's block, in float64 (no fp32 square overflows or underflows there,
     so the NS5 input is scale invariant over fp32's whole range). Writes nothing else."""
@@ -117,11 +156,11 @@ def _msq_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, DEC, MSQ, NESTEROV: tl.con
     if GUARD:
         s = tl.load(DEC + 2 * t)
     if rem >= BLOCK:
-        M, _, _, _, _, _, _, _ = _pre_block(ADDR, t, start, rem, HP, s, NESTEROV, GATE, G_TY, BUF_TY, ALIGNED,
-                                            EMULATE, BLOCK, False)
+        M, _, _, _, _, _, _, _, _, _, _, _ = _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE,
+                                                        MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK, False)
     else:
-        M, _, _, _, _, _, _, _ = _pre_block(ADDR, t, start, rem, HP, s, NESTEROV, GATE, G_TY, BUF_TY, ALIGNED,
-                                            EMULATE, BLOCK, True)
+        M, _, _, _, _, _, _, _, _, _, _, _ = _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE,
+                                                        MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK, True)
     m64 = M.to(tl.float64)
     tl.store(MSQ + pid, tl.sum(m64 * m64, axis=0))
 
@@ -141,12 +180,13 @@ def _norm_kernel(MSQ, FIRST, INV, RBLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS, EMA, DENSE,
-                  NESTEROV: tl.constexpr, GATE: tl.constexpr, GUARD: tl.constexpr, G_TY: tl.constexpr,
+def _write_kernel(ADDR, MONA_ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS, EMA, DENSE,
+                  NESTEROV: tl.constexpr, GATE: tl.constexpr, GUARD: tl.constexpr, MONA: tl.constexpr,
+                  G_TY: tl.constexpr,
                   BUF_TY: tl.constexpr, X_TY: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """The new momentum buffer (kept whole for a "skip" tensor with a bad entry) and X = M/‖M‖ in the hot
-    dtype; under GATE the gradient and moment counts (one atomic per count, only for a block that has
+    """The new momentum buffer and MONA's G_prev and A (all kept whole for a "skip" tensor with a bad entry)
+    and X = M/‖M‖ in the hot dtype (M itself for KL-Shampoo: INV all ones, X fp32); under GATE the gradient and moment counts (one atomic per count, only for a block that has
     something to count) and, in a tensor's first block, the guard's EMA and spike count."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     s = 1.0
@@ -165,12 +205,14 @@ def _write_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS
     b_ptr = _column(ADDR, t, 0, BUF_TY, start, ALIGNED)
     x_ptr = _column(ADDR, t, 2, X_TY, start, ALIGNED)
     if rem >= BLOCK:
-        M, nb, bo, g, ok, over, idx, mask = _pre_block(ADDR, t, start, rem, HP, s, NESTEROV, GATE, G_TY, BUF_TY,
-                                                       ALIGNED, EMULATE, BLOCK, False)
+        M, nb, bo, g, ok, over, po, ao, pn, an, idx, mask = _pre_block(
+            ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE, MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK,
+            False)
         masked = False
     else:
-        M, nb, bo, g, ok, over, idx, mask = _pre_block(ADDR, t, start, rem, HP, s, NESTEROV, GATE, G_TY, BUF_TY,
-                                                       ALIGNED, EMULATE, BLOCK, True)
+        M, nb, bo, g, ok, over, po, ao, pn, an, idx, mask = _pre_block(
+            ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE, MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK,
+            True)
         masked = True
     x = (M.to(tl.float64) * inv).to(tl.float32)
     nb = tl.where(keep_all, bo, nb)
@@ -180,6 +222,17 @@ def _write_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS
     else:
         tl.store(x_ptr + idx, cast_rtne(x, X_TY, EMULATE))
         tl.store(b_ptr + idx, cast_rtne(nb, BUF_TY, EMULATE))
+    if MONA:
+        p_ptr = _column(MONA_ADDR, t, 0, tl.float32, start, ALIGNED)
+        a_ptr = _column(MONA_ADDR, t, 1, tl.float32, start, ALIGNED)
+        pn = tl.where(keep_all, po, pn)
+        an = tl.where(keep_all, ao, an)
+        if masked:
+            tl.store(p_ptr + idx, pn, mask=mask)
+            tl.store(a_ptr + idx, an, mask=mask)
+        else:
+            tl.store(p_ptr + idx, pn)
+            tl.store(a_ptr + idx, an)
     if GATE:
         row = DENSE + sel * _ROW
         gn = tl.sum(((g != g) & mask).to(tl.int32), axis=0)
@@ -189,12 +242,14 @@ def _write_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS
         _add_count(row, _MOMENT_INF, tl.sum((over & mask).to(tl.int32), axis=0))
 
 
-def supported(params, grads, bufs, zs, vs) -> bool:
-    """True when these launches can take the group: fp32 parameters, gradients and z, an fp32 or bf16
-    momentum buffer, fp32 row moments, all contiguous on one device (a CUDA device, or the CPU under the
-    Triton interpreter). 16-bit parameters run ``impl="compiled"``: its eager arithmetic rounds at every op
-    in that dtype, which these fp32 kernels would not reproduce."""
-    if not one_launch(params + grads + [z for z in zs if z is not None]) or params[0].dtype != torch.float32:
+def supported(params, grads, bufs, zs, vs, monas=()) -> bool:
+    """True when these launches can take the group: fp32 parameters, gradients, z and MONA buffers (``monas``:
+    G_prev and A of every tensor, or empty), an fp32 or bf16 momentum buffer, fp32 row moments, all
+    contiguous on one device (a CUDA device, or the CPU under the Triton interpreter). 16-bit parameters run
+    ``impl="compiled"``: its eager arithmetic rounds at every op in that dtype, which these fp32 kernels
+    would not reproduce."""
+    if not one_launch(params + grads + [z for z in zs if z is not None] + list(monas)) \
+            or params[0].dtype != torch.float32:
         return False
     return (one_launch(bufs) and bufs[0].dtype in (torch.float32, torch.bfloat16)
             and bufs[0].get_device() == params[0].get_device()
@@ -220,6 +275,7 @@ class PreResult:
     step's device-side decisions (None under "off")."""
     inputs: list[torch.Tensor]
     addr: torch.Tensor  # the pre table (buffer, g, X, v): the row kernel reads g and v through it
+    dec: torch.Tensor | None  # (n, 2): the guard's scale of each gradient, its new norm EMA
     dec_flags: torch.Tensor | None
     sel: torch.Tensor | None
     res: tuple | None
@@ -227,14 +283,17 @@ class PreResult:
 
 
 def spectral_prepare_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.dtype, nesterov: bool,
-                      policy: str, factor: float | None) -> PreResult:
+                      policy: str, factor: float | None, monas=None, raw: bool = False) -> PreResult:
     """The read-only launches of the momentum side: the spike guard and decisions (not under "off") and
     1/‖M‖ per matrix — nothing persistent is written, so a failure here leaves the optimizer as it was.
-    :func:`spectral_write_` then writes the momentum buffers and the NS5 inputs: one (B, m, n) stack in
-    ``hot`` per bucket of ``buckets`` (``_compiled_spectral._buckets``: member positions, tall) in the
-    parameters' own layout, each matrix at unit Frobenius norm. ``hp`` = [1-μ, μ] (fp32, on the device);
+    :func:`spectral_write_` then writes the momentum buffers (and MONA's) and the NS5 inputs: one (B, m, n)
+    stack in ``hot`` per bucket of ``buckets`` (``_compiled_spectral._buckets``: member positions, tall) in
+    the parameters' own layout, each matrix at unit Frobenius norm. ``hp`` = [1-μ, μ, α, 1-β, first₀, …]
+    (fp32, on the device; MONA's α and β and per tensor 1.0 on its first step, read only with ``monas``);
     ``res``/``sel`` as for ``scalar_step.scalar_step_`` (None under "off"); ``vs`` the NorMuon row moments
-    or Nones."""
+    or Nones; ``monas`` None or (G_prev list, A list). ``raw`` (KL-Shampoo, which preconditions M before
+    it is normalised): the stacks receive M itself in fp32 (``hot`` must be fp32) and the two norm
+    launches are skipped."""
     code = policy_code(policy)
     if (res is None) != (code == 0):
         raise ValueError("res must be given exactly when the policy is not 'off'")
@@ -247,27 +306,37 @@ def spectral_prepare_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: to
     for X, (members, _) in zip(inputs, buckets):
         for j, i in enumerate(members):
             xs[i] = X[j].data_ptr()
-    addr, aligned = address_table([a for b, g, x, v in zip(bufs, grads, xs, vs)
-                                   for a in (b.data_ptr(), g.data_ptr(), x, (g if v is None else v).data_ptr())],
-                                  device)
+    if raw and hot is not torch.float32:
+        raise ValueError("raw stacks hold M itself: hot must be torch.float32")
+    n = len(grads)
+    rows = [a for b, g, x, v in zip(bufs, grads, xs, vs)
+            for a in (b.data_ptr(), g.data_ptr(), x, (g if v is None else v).data_ptr())]
+    if monas is not None:  # rows n..2n-1: (G_prev, A, -, -), reached through the view addr[n:]
+        rows += [a for pg, av in zip(*monas) for a in (pg.data_ptr(), av.data_ptr(), 0, 0)]
+    table, aligned = address_table(rows, device)
+    addr = table[:n]
+    mona_addr = table[n:] if monas is not None else addr
     gate, guard = res is not None, res is not None and factor is not None
-    kinds = dict(NESTEROV=nesterov, GATE=gate, GUARD=guard, G_TY=tl_dtype(grads[0].dtype),
+    kinds = dict(NESTEROV=nesterov, GATE=gate, GUARD=guard, MONA=monas is not None, G_TY=tl_dtype(grads[0].dtype),
                  BUF_TY=tl_dtype(bufs[0].dtype), ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block)
     with on_device(grads[0]):
         dec = dec_flags = None
         if gate:
             dec, dec_flags = decisions(addr, layout, sel, res, code, factor, kinds["G_TY"], aligned, lazy=False)
-        msq = torch.empty(nblocks, dtype=torch.float64, device=device)
-        inv = torch.empty(len(grads), dtype=torch.float64, device=device)
-        dummy = msq  # never dereferenced without GATE / GUARD
-        _msq_kernel[(nblocks,)](addr, numel, first, owner, hp, dec if guard else dummy, msq, num_warps=warps,
-                                enable_fp_fusion=False, **kinds)
-        _norm_kernel[(len(grads),)](msq, first, inv, RBLOCK=_RBLOCK, num_warps=1, enable_fp_fusion=False)
-    write = ((nblocks,), (addr, numel, first, owner, hp, inv,
+        if raw:
+            inv = dummy = torch.ones(n, dtype=torch.float64, device=device)
+        else:
+            msq = torch.empty(nblocks, dtype=torch.float64, device=device)
+            inv = torch.empty(n, dtype=torch.float64, device=device)
+            dummy = msq  # never dereferenced without GATE / GUARD
+            _msq_kernel[(nblocks,)](addr, mona_addr, numel, first, owner, hp, dec if guard else dummy, msq,
+                                    num_warps=warps, enable_fp_fusion=False, **kinds)
+            _norm_kernel[(n,)](msq, first, inv, RBLOCK=_RBLOCK, num_warps=1, enable_fp_fusion=False)
+    write = ((nblocks,), (addr, mona_addr, numel, first, owner, hp, inv,
                           *(dummy if x is None else x for x in (sel, dec, dec_flags, res[2] if gate else None,
                                                                  res[3] if gate else None))),
              dict(X_TY=tl_dtype(hot), num_warps=warps, enable_fp_fusion=False, **kinds))
-    return PreResult(inputs, addr, dec_flags, sel, res, write)
+    return PreResult(inputs, addr, dec, dec_flags, sel, res, write)
 
 
 def spectral_write_(pre: PreResult) -> None:

@@ -90,20 +90,25 @@ def test_update_is_invariant_to_the_gradient_scale(scale):
 
 
 def test_skip_keeps_kl_damping_of_a_skipped_tensor():
+    check_skip_keeps_kl_damping("cpu")
+
+
+def check_skip_keeps_kl_damping(device, shapes=SHAPES[:3]) -> None:
     """Under "skip" the loop restores all of a bad-gradient tensor's state, KL-Shampoo's damping included —
     which the preconditioner grows when it bypasses (here: an infinite eigenvalue makes its inverse root
-    zero). The fused path must put the damping back the same way, and leave it to grow on clean steps."""
+    zero). The fused path must put the damping back the same way, and leave it to grow on clean steps.
+    (Also run on the Triton kernels: tests/test_kernels_spectral_step.py.)"""
     runs = []
     for impl in ("loop", "fused"):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(0.1 * torch.randn(s)) for s in SHAPES[:3]]
+        ps = [torch.nn.Parameter(0.1 * torch.randn(s).to(device)) for s in shapes]
         opt = no.FullFusion([{"params": ps, "path": "spectral"}], lr=1e-2, impl=impl, resolution="skip",
                             ns5_dtype="fp32")
         gen = torch.Generator().manual_seed(1)
         damping = []
         for t in range(4):
             for p in ps:
-                p.grad = torch.randn(p.shape, generator=gen)
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
             if t == 1:
                 opt.state[ps[0]]["kl_eigvals_left"][0] = float("inf")  # the next preconditioning bypasses
                 ps[0].grad[2, 2] = float("nan")  # ... on a step that "skip" discards for this tensor

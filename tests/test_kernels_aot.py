@@ -222,8 +222,8 @@ def test_record_kernel(consume):
 @pytest.mark.parametrize("policy", [0, 1, 2])
 @pytest.mark.parametrize("buf, hot", [("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")])
 def test_spectral_step_kernels(policy, buf, hot):
-    """The spectral step of impl="fused" on CUDA (kernels/spectral_step.py): its six launches, every variant,
-    with the argument types the host passes (under "off" the decision slots are a float64 scratch tensor,
+    """The spectral step of impl="fused" on CUDA (kernels/spectral_step.py): its six launches, every variant
+    (MONA on and off in the momentum launches), with the argument types the host passes (under "off" the decision slots are a float64 scratch tensor,
     never read). Counting variants use atomics; nothing contracts to an FMA (clean repair must equal off);
     full blocks and aligned rows use vector loads."""
     import triton.language as tl
@@ -232,22 +232,25 @@ def test_spectral_step_kernels(policy, buf, hot):
 
     tys = {"fp32": tl.float32, "bf16": tl.bfloat16}
     gate = policy != 0
-    table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
+    table = dict(ADDR="*i64", MONA_ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
     slot = (lambda ty: ty) if gate else (lambda ty: "*fp64")  # the dummy that stands in under "off"
-    for guard in ((False, True) if gate else (False,)):
-        kinds = dict(NESTEROV=True, GATE=gate, GUARD=guard, G_TY=tl.float32, BUF_TY=tys[buf], ALIGNED=True,
-                     EMULATE=False, BLOCK=2048)
+    for guard, mona in ((False, False), (False, True), (True, False), (True, True)) if gate else \
+            ((False, False), (False, True)):
+        kinds = dict(NESTEROV=True, GATE=gate, GUARD=guard, MONA=mona, G_TY=tl.float32, BUF_TY=tys[buf],
+                     ALIGNED=True, EMULATE=False, BLOCK=2048)
         msq = compile_for_hopper(k._msq_kernel, dict(table, HP="*fp32", DEC="*fp32" if guard else "*fp64",
                                                      MSQ="*fp64"), kinds, num_warps=8, enable_fp_fusion=False)
         _binary_ok(msq)
         assert re.search(r"ld\.global(\.\w+)*\.v[24]", msq.asm["ptx"]), "full blocks: vector loads"
-        write = compile_for_hopper(k._write_kernel, dict(table, HP="*fp32", INV="*fp64", SEL=slot("*i64"),
-                                                         DEC=slot("*fp32"), DEC_FLAGS=slot("*i32"),
-                                                         EMA=slot("*fp32"), DENSE=slot("*i64")),
-                                   dict(kinds, X_TY=tys[hot]), num_warps=8, enable_fp_fusion=False)
-        _binary_ok(write)
-        assert ("atom" in write.asm["ptx"]) == gate, "counts: atomics exactly when gating"
-        assert "fma.rn.f32" not in write.asm["ptx"] + msq.asm["ptx"]
+        # X in the hot dtype; with MONA also fp32 M itself (FullFusion: KL-Shampoo preconditions it first)
+        for x_ty in {tys[hot], tl.float32} if mona else {tys[hot]}:
+            write = compile_for_hopper(k._write_kernel, dict(table, HP="*fp32", INV="*fp64", SEL=slot("*i64"),
+                                                             DEC=slot("*fp32"), DEC_FLAGS=slot("*i32"),
+                                                             EMA=slot("*fp32"), DENSE=slot("*i64")),
+                                       dict(kinds, X_TY=x_ty), num_warps=8, enable_fp_fusion=False)
+            _binary_ok(write)
+            assert ("atom" in write.asm["ptx"]) == gate, "counts: atomics exactly when gating"
+            assert "fma.rn.f32" not in write.asm["ptx"] + msq.asm["ptx"]
     _binary_ok(compile_for_hopper(k._norm_kernel, dict(MSQ="*fp64", FIRST="*i64", INV="*fp64"),
                                   dict(RBLOCK=1024), num_warps=1, enable_fp_fusion=False))
     for normuon in (False, True):

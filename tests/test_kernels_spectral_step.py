@@ -1,19 +1,20 @@
 """The multi-tensor Triton spectral step (``kernels/spectral_step.py``): ``impl="fused"`` on CUDA for NS5
-(+ NorMuon) (+ schedule-free) groups, against ``impl="loop"``, its ground truth.
+groups (+ MONA, KL-Shampoo, NorMuon, schedule-free), against ``impl="loop"``, its ground truth.
 
 Same two-faced layout as ``test_kernels_scalar_step.py``: a normal run re-runs this file under
 ``TRITON_INTERPRET=1`` in a subprocess (on the CPU, with ``NONANS_FUSED_BACKEND=triton`` so the optimizer
 takes this path there), and runs the ``gpu``-marked copies on CUDA.
 
 Pinned down, with a fallback to ``impl="compiled"`` made to fail the test:
-* SF-NorMuon, Muon and two other covered component sets under every policy, over the fault sequence of
-  ``test_compiled_spectral.py`` (partial NaN/Inf, a whole tensor NaN, finite entries whose momentum lerp
+* SF-NorMuon, Muon, FullFusion and three other covered component sets under every policy, over the fault
+  sequence of ``test_compiled_spectral.py`` (partial NaN/Inf, a whole tensor NaN, finite entries whose momentum lerp
   overflows, a whole tensor -Inf on a parameter with a recent event: the hold rule) — parameters, state,
   the Resolution tensors and the events;
 * matrices of several blocks and rows wider than one row chunk, with the spike guard firing, a bf16
-  momentum buffer and a bf16 NS5 input;
+  momentum buffer and a bf16 NS5 input (SF-NorMuon and FullFusion); KL-Shampoo's damping under "skip";
 * a clean "repair" step bit-identical to "off";
-* what "repair" adds to "off": the two decision launches (and the record kernel), no torch op;
+* what "repair" adds to "off": the two decision launches (and the record kernel), no torch op (with
+  KL-Shampoo, the torch ops between the launches read the decisions on the device);
 * a launch that fails before the first persistent write leaves nothing half-done and falls back;
 * GPU only: no host synchronisation in the step.
 """
@@ -34,8 +35,9 @@ from test_compiled_spectral import _run  # noqa: E402  (its model and fault sequ
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 CASES = [(no.SFNorMuon, {}), (no.Muon, {}), (no.Fusion, {"components": ("ns5", "normuon"), "nesterov": False}),
-         (no.Fusion, {"components": ("ns5", "sf")})]
-IDS = ["SFNorMuon", "Muon", "Fusion-ns5-normuon", "Fusion-ns5-sf"]
+         (no.Fusion, {"components": ("ns5", "sf")}), (no.Fusion, {"components": ("ns5", "mona", "normuon", "sf")}),
+         (no.FullFusion, {})]
+IDS = ["SFNorMuon", "Muon", "Fusion-ns5-normuon", "Fusion-ns5-sf", "Fusion-mona", "FullFusion"]
 SHAPES = [(12, 300), (12, 300), (90, 20), (33, 17)]  # several blocks; a bucket of two; tall; ragged
 
 
@@ -50,13 +52,12 @@ def _force_triton(monkeypatch):
     monkeypatch.setattr(_spectral, "compiled_spectral_update", no_fallback)
 
 
-def _run_wide(impl, policy, *, device, steps=5, clean=False, **kw):
-    """SF-NorMuon on SHAPES (several kernel blocks per matrix, rows wider than a row chunk): partial NaN/Inf,
+def _run_wide(impl, policy, *, device, steps=5, clean=False, cls=no.SFNorMuon, **kw):
+    """SF-NorMuon (or ``cls``) on SHAPES (several kernel blocks per matrix, rows wider than a row chunk): partial NaN/Inf,
     a finite momentum overflow, a whole tensor NaN twice (the hold rule) and a finite spike (the guard)."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(0.1 * torch.randn(s).to(device)) for s in SHAPES]
-    opt = no.SFNorMuon([{"params": ps, "path": "spectral"}], lr=1e-2, weight_decay=0.1, impl=impl,
-                       resolution=policy, **kw)
+    opt = cls([{"params": ps, "path": "spectral"}], lr=1e-2, weight_decay=0.1, impl=impl, resolution=policy, **kw)
     gen = torch.Generator().manual_seed(1)
     for t in range(steps):
         for i, p in enumerate(ps):
@@ -86,22 +87,23 @@ def case_optimizer_matches_loop(device, cls, kw, policy, monkeypatch):
         assert "grad" in {e[2] for e in event_tuples(got_opt)}
 
 
-def case_wide_matrices_match_loop(device, policy, factor, monkeypatch):
+def case_wide_matrices_match_loop(device, policy, factor, cls, monkeypatch):
     """With the guard (the default) the giant finite entry is a spike, rescaled before it reaches the
-    buffer; without it the buffer's lerp overflows (the moment stage): both, so every stage is exercised."""
+    buffer (and, FullFusion, before KL-Shampoo's factors see it: the device-side scale); without it the
+    buffer's lerp overflows (the moment stage): both, so every stage is exercised."""
     _force_triton(monkeypatch)
-    ref, ref_opt = _run_wide("loop", policy, device=device, ns5_dtype="fp32", spike_factor=factor)
-    got, got_opt = _run_wide("fused", policy, device=device, ns5_dtype="fp32", spike_factor=factor)
+    ref, ref_opt = _run_wide("loop", policy, device=device, ns5_dtype="fp32", spike_factor=factor, cls=cls)
+    got, got_opt = _run_wide("fused", policy, device=device, ns5_dtype="fp32", spike_factor=factor, cls=cls)
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
     assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
     assert {"grad", "spike" if factor else "moment"} <= {e[2] for e in event_tuples(got_opt)}
 
 
-def case_bf16_buffer_and_ns5_input(device, monkeypatch):
+def case_bf16_buffer_and_ns5_input(device, cls, monkeypatch):
     """A bf16 momentum buffer (rounded once per write, its overflow tested as stored) and a bf16 NS5 input:
     the loop does the same in bf16 tensors, so the two agree to bf16's resolution, not bit for bit."""
     _force_triton(monkeypatch)
-    kw = dict(ns5_dtype="bf16", momentum_dtype="bf16")
+    kw = dict(ns5_dtype="bf16", momentum_dtype="bf16", cls=cls)
     ref, ref_opt = _run_wide("loop", "repair", device=device, **kw)
     got, got_opt = _run_wide("fused", "repair", device=device, **kw)
     for p, q, st_p, st_q in zip(ref, got, ref_opt.state.values(), got_opt.state.values()):
@@ -111,6 +113,15 @@ def case_bf16_buffer_and_ns5_input(device, monkeypatch):
         torch.testing.assert_close(st_q["momentum_buffer"].float(), st_p["momentum_buffer"].float(),
                                    rtol=1e-2, atol=1e-2)
     assert event_tuples(got_opt) == event_tuples(ref_opt)
+
+
+def case_skip_keeps_kl_damping(device, monkeypatch):
+    """KL-Shampoo's damping of a "skip" tensor with a bad entry is put back by a device-side select (the
+    native loops decide it on the host), and grows on clean steps."""
+    from test_fused_spectral import check_skip_keeps_kl_damping
+
+    _force_triton(monkeypatch)
+    check_skip_keeps_kl_damping(device, shapes=[(16, 24), (16, 24), (30, 8)])  # small: the interpreter is slow
 
 
 def case_clean_repair_is_off(device, monkeypatch):
@@ -158,6 +169,14 @@ def case_repair_adds_only_the_decision_launches(monkeypatch):
         assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
         assert off_launch == Counter(["_msq_kernel", "_norm_kernel", "_write_kernel", "_rows_kernel",
                                       "_scale_kernel", "_apply_kernel"])
+    # FullFusion: MONA rides in the same launches; with KL-Shampoo the write kernel stores M itself (no norm
+    # launches), and the preconditioner's torch ops between it and NS5 read the kernels' decisions on the
+    # device (the ops "repair" adds: the flags per tensor and the direction counts)
+    seen = step_launches(monkeypatch, no.FullFusion([{"params": params, "path": "spectral"}], lr=1e-3,
+                                                     impl="fused"), params)
+    (_, rep_launch), (_, off_launch) = seen["repair"], seen["off"]
+    assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
+    assert off_launch == Counter(["_write_kernel", "_rows_kernel", "_scale_kernel", "_apply_kernel"])
 
 
 def _define(device, marks=()):
@@ -170,13 +189,20 @@ def _define(device, marks=()):
         case_optimizer_matches_loop(device, cls, kw, policy, monkeypatch)
 
     @mark
-    @pytest.mark.parametrize("policy, factor", [("repair", 10.0), ("repair", None), ("skip", 10.0)])
-    def test_wide_matrices_match_loop(policy, factor, monkeypatch):
-        case_wide_matrices_match_loop(device, policy, factor, monkeypatch)
+    @pytest.mark.parametrize("policy, factor, cls", [("repair", 10.0, no.SFNorMuon), ("repair", None, no.SFNorMuon),
+                                                     ("skip", 10.0, no.SFNorMuon), ("repair", 10.0, no.FullFusion),
+                                                     ("skip", None, no.FullFusion)])
+    def test_wide_matrices_match_loop(policy, factor, cls, monkeypatch):
+        case_wide_matrices_match_loop(device, policy, factor, cls, monkeypatch)
 
     @mark
-    def test_bf16_buffer_and_ns5_input(monkeypatch):
-        case_bf16_buffer_and_ns5_input(device, monkeypatch)
+    @pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
+    def test_bf16_buffer_and_ns5_input(cls, monkeypatch):
+        case_bf16_buffer_and_ns5_input(device, cls, monkeypatch)
+
+    @mark
+    def test_skip_keeps_kl_damping(monkeypatch):
+        case_skip_keeps_kl_damping(device, monkeypatch)
 
     @mark
     def test_clean_repair_is_off(monkeypatch):
@@ -188,7 +214,7 @@ def _define(device, marks=()):
         case_launch_failure_falls_back(device, kernel, monkeypatch)
 
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
-            test_clean_repair_is_off, test_launch_failure_falls_back)
+            test_skip_keeps_kl_damping, test_clean_repair_is_off, test_launch_failure_falls_back)
 
 
 if INTERPRETED:
@@ -198,7 +224,7 @@ if INTERPRETED:
         case_repair_adds_only_the_decision_launches(monkeypatch)
 
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
-     test_clean_repair_is_off, test_launch_failure_falls_back) = _define("cpu")
+     test_skip_keeps_kl_damping, test_clean_repair_is_off, test_launch_failure_falls_back) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -206,11 +232,12 @@ else:
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
-     test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
+     test_gpu_skip_keeps_kl_damping, test_gpu_clean_repair_is_off,
+     test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-    @pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon], ids=["SFNorMuon", "Muon"])
+    @pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon, no.FullFusion], ids=["SFNorMuon", "Muon", "FullFusion"])
     def test_gpu_fused_spectral_step_never_syncs(cls):
         params = [torch.randn(300, 70, device="cuda", requires_grad=True),
                   torch.randn(64, 64, device="cuda", requires_grad=True)]

@@ -10,17 +10,17 @@ time their byte traffic needs.
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
 under every policy, for contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
 bf16 or fp32 hot dtype. Off the CPU (or with ``NONANS_FUSED_BACKEND=triton``) the group goes to the
-multi-tensor Triton kernels instead (``_fused_triton.triton_spectral_update``: NS5 + NorMuon + schedule-free,
-no MONA or KL-Shampoo). Anything neither covers (fp16 NS5, say) returns False and the caller runs
+multi-tensor Triton kernels instead (``_fused_triton.triton_spectral_update``, the same components).
+Anything neither covers (fp16 NS5, say) returns False and the caller runs
 ``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
 gradient had a bad entry): the loops compute and count such a tensor's whole step and write nothing of
 it, KL-Shampoo's damping included. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
 
 MONA is elementwise and rides in the pre loop. KL-Shampoo is matrix products: with it, pre writes the
 momentum M itself (fp32), and between the two loops each matrix is preconditioned and its factors updated
-by :mod:`nonans_optim.functional.kl_shampoo` — the loop's functions, fed the gradient the spike guard
-scaled and the "entirely finite" flag that pre counted — then normalised as :func:`nonans_optim.ns5.ns5`
-does and cast to the hot dtype. The resolution's elementwise work stays in the C loops either way.
+(:mod:`._kl_stacks`: the loop's functions, fed the gradient the spike guard scaled and the "entirely
+finite" flag that pre counted), then normalised as :func:`nonans_optim.ns5.ns5` does and cast to the hot
+dtype. The resolution's elementwise work stays in the C loops either way.
 """
 from __future__ import annotations
 
@@ -33,14 +33,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import native
 from .._workspace import Workspace
 from ..functional.spike import SPIKE_BETA
-from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
-from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate, normalise
-from ..resolution import STAGE_INDEX
+from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
-from ._common import check_sizes, dense_counts, mark_written, resolution_written
+from ._common import check_sizes, mark_written, resolution_written
 from ._fused import Int64Array, pointers, resolution_pointers
 from ._fused_triton import backend, triton_spectral_update
+from ._kl_stacks import precondition_stacks
 
 __all__ = ["fused_spectral_update"]
 
@@ -82,36 +81,6 @@ def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype, r
         cache[key] = (inputs, [Workspace() for _ in buckets], flags[:-n], flags[-n:], raws,
                       (ctypes.c_float * n)(), (ctypes.c_int64 * n)())
     return cache[key]
-
-
-def _precondition(inputs, raws, buckets, params, grads, states, indices, group, ctx, scale, bad) -> None:
-    """KL-Shampoo between the loops, per matrix as impl="loop" runs it (precondition with the factors of
-    the previous steps, then fold this gradient in; a bypass or an internal overflow is a "direction"
-    event), then each bucket normalised into its hot-dtype NS5 input stack. The host reads here (step
-    counts, the guard's scales, the counts) are of CPU memory the pre loop has just written: no device.
-    Under "skip" a tensor with a bad gradient entry keeps its damping (the loop restores all its state; the
-    factors do not move anyway, since that gradient is not an observation)."""
-    gate = ctx["resolution"] is not None
-    skip = gate and ctx["resolution"].policy == "skip"
-    dense = dense_counts(ctx, params[0].device) if gate else None
-    direction = STAGE_INDEX["direction"]
-    for X, R, (members, _) in zip(inputs, raws, buckets):
-        for j, i in enumerate(members):
-            st, shape = states[i], matrix_shape(params[i])
-            damping = st["kl_damping"].clone() if skip and bad[i] > 0 else None
-            P, bypassed = kl_shampoo_precondition(st, R[j])
-            R[j].copy_(P)
-            g = grads[i].reshape(shape)
-            if scale[i] != 1.0:  # the spike guard fired: the factors see the rescaled gradient, as in the loop
-                g = g * scale[i]
-            internal_bad = kl_shampoo_update_(st, g, torch.tensor(bad[i] == 0), int(st["step"]),
-                                              beta=group["shampoo_beta"],
-                                              refresh_every=group["shampoo_refresh_every"])
-            if damping is not None:
-                st["kl_damping"].copy_(damping)
-            if gate:
-                dense[indices[i], direction, 1] += (internal_bad | bypassed).to(torch.int64)
-        X.copy_(normalise(R))
 
 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
@@ -173,8 +142,10 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         r["dense"], threads)
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
-    if shampoo:
-        _precondition(inputs, raws, buckets, params, grads, states, indices, group, ctx, scale, bad)
+    if shampoo:  # the host reads are of CPU memory the pre loop has just written: no device
+        skip = policy == "skip"
+        precondition_stacks(raws, inputs, buckets, params, grads, states, indices, group, ctx, scales=list(scale),
+                            oks=[torch.tensor(b == 0) for b in bad], keep_damping=[skip and b > 0 for b in bad])
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
     outs = [iterate(X, coefficients, tall=tall, workspace=ws).contiguous()
             for X, (_, tall), ws in zip(inputs, buckets, workspaces)]

@@ -32,6 +32,7 @@ from ..routing import matrix_shape
 from ._common import check_sizes, mark_written, resolution_written
 from ._compiled import group_kernel_args, host_steps, resolution_args, undo_steps
 from ._compiled_spectral import _buckets
+from ._kl_stacks import precondition_stacks
 
 __all__ = ["backend", "triton_scalar_update", "triton_spectral_update"]
 
@@ -87,7 +88,7 @@ def _failed(err: Exception, states: list[dict]) -> None:
                   "impl='compiled' (impl='auto': 'foreach')", RuntimeWarning, stacklevel=7)
 
 
-_SPECTRAL = frozenset({"ns5", "normuon", "sf"})
+_SPECTRAL = frozenset({"ns5", "normuon", "sf", "mona", "shampoo"})
 _SHAPES: dict[tuple, tuple] = {}
 
 
@@ -111,9 +112,10 @@ _COMPILED: set[tuple] = set()
 def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                            indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
                            comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
-    """The step of ``spectral_update(..., impl="loop")`` for NS5 (+ NorMuon) (+ schedule-free) groups on
-    the Triton kernels of ``nonans_optim.kernels.spectral_step`` around the batched torch NS5 iteration;
-    False (nothing done) when they cannot take this group (MONA, KL-Shampoo, fp16_safe NS5, 16-bit
+    """The step of ``spectral_update(..., impl="loop")`` for NS5 groups with any of MONA, KL-Shampoo,
+    NorMuon and schedule-free on the Triton kernels of ``nonans_optim.kernels.spectral_step`` around the
+    batched torch NS5 iteration (and, with KL-Shampoo, :mod:`._kl_stacks` between the momentum side and
+    NS5); False (nothing done) when they cannot take this group (no NS5, fp16_safe NS5, 16-bit
     parameters...: the caller then runs ``impl="compiled"``)."""
     if _FAILED or not kernels.available() or "ns5" not in comps or not comps <= _SPECTRAL \
             or group["ns5_dtype"] == "fp16_safe":
@@ -122,36 +124,43 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
 
     device = params[0].device
     bufs = [st["momentum_buffer"] for st in states]
-    sf, normuon = "sf" in comps, "normuon" in comps
+    sf, normuon, mona, shampoo = "sf" in comps, "normuon" in comps, "mona" in comps, "shampoo" in comps
     zs = [st["z"] if sf else None for st in states]
     vs = [st["normuon_row_sq"] if normuon else None for st in states]
+    monas = ([st["mona_prev_grad"] for st in states], [st["mona_diff_avg"] for st in states]) if mona else None
     hot = hot_dtype(device, group["ns5_dtype"])
-    if not k.supported(params, grads, bufs, zs, vs) or gamma.device != device \
-            or hot not in (torch.float32, torch.bfloat16):
+    if not k.supported(params, grads, bufs, zs, vs, (*monas[0], *monas[1]) if mona else ()) \
+            or gamma.device != device or hot not in (torch.float32, torch.bfloat16):
         return False
     shapes, buckets, sizes, rows = _group_shapes(params)
-    check_sizes(sizes, "momentum_buffer", bufs)
-    if sf:
-        check_sizes(sizes, "z", zs)
+    for key, lst in (("momentum_buffer", bufs), ("z", zs if sf else None),
+                     ("mona_prev_grad", monas[0] if mona else None), ("mona_diff_avg", monas[1] if mona else None)):
+        if lst is not None:
+            check_sizes(sizes, key, lst)
     if normuon:
         check_sizes(rows, "normuon_row_sq", vs)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
-    host_steps(states)
+    steps = host_steps(states)
     sel, res, factor = resolution_args(ctx, indices, device, recent_rule=True)
-    # one host→device copy: [1-μ, μ] for the momentum side, [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] for the direction side
-    hp = to_device(torch.tensor([1 - group["momentum"], group["momentum"], 1 - group["normuon_beta2"],
-                                 group["normuon_eps"], group["weight_decay"], c, group["sf_beta"] * (1 - c) - 1],
-                                dtype=torch.float32), device)
-    hp_pre, hp_post = hp[:2], hp[2:]
+    # one host→device copy: [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] for the direction side, [1-μ, μ, α, 1-β, first...]
+    # for the momentum side (MONA's G_prev starts as the gradient on a tensor's first step)
+    hp = to_device(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"], group["weight_decay"], c,
+                                 group["sf_beta"] * (1 - c) - 1, 1 - group["momentum"], group["momentum"],
+                                 group["mona_alpha"] if mona else 0.0, 1 - group["mona_beta"] if mona else 0.0,
+                                 *([float(s == 1) for s in steps] if mona else [])], dtype=torch.float32), device)
+    hp_post, hp_pre = hp[:5], hp[5:]
     post = dict(buckets=buckets, shapes=shapes, normuon=normuon, sf=sf, decay=group["weight_decay"] != 0)
-    key = (str(device), hot, bufs[0].dtype, policy, factor is None, group["nesterov"], normuon, sf, post["decay"],
-           tuple(shapes))  # the matrix shapes determine the sizes and row counts too
+    key = (str(device), hot, bufs[0].dtype, policy, factor is None, group["nesterov"], normuon, sf, mona, shampoo,
+           post["decay"], tuple(shapes))  # the matrix shapes determine the sizes and row counts too
     gamma = gamma.float()
     try:
-        pre = k.spectral_prepare_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes, hot=hot,
-                                  nesterov=group["nesterov"], policy=policy, factor=factor)
+        pre = k.spectral_prepare_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes,
+                                  hot=torch.float32 if shampoo else hot, nesterov=group["nesterov"], policy=policy,
+                                  factor=factor, monas=monas, raw=shampoo)
+        # with KL-Shampoo pre.inputs hold M (fp32); NS5 reads stacks in the hot dtype, filled below
+        inputs = [torch.empty_like(X, dtype=hot) for X in pre.inputs] if shampoo else pre.inputs
         if key not in _COMPILED:  # the direction side's compile errors, before the first persistent write
-            k.spectral_post_(pre, pre.inputs, params, grads, zs, gamma, hp_post, warmup=True, **post)
+            k.spectral_post_(pre, inputs, params, grads, zs, gamma, hp_post, warmup=True, **post)
             if len(_COMPILED) > 64:
                 _COMPILED.clear()
             _COMPILED.add(key)
@@ -159,9 +168,27 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
         _failed(err, states)
         return False
+    if shampoo:
+        _precondition(pre, inputs, buckets, params, grads, states, indices, group, ctx, policy)
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
-    outs = [iterate(X, coefficients, tall=tall).contiguous() for X, (_, tall) in zip(pre.inputs, buckets)]
+    outs = [iterate(X, coefficients, tall=tall).contiguous() for X, (_, tall) in zip(inputs, buckets)]
     k.spectral_post_(pre, outs, params, grads, zs, gamma, hp_post, **post)
     mark_written(params, bufs, [z for z in zs if z is not None], [v for v in vs if v is not None],
-                 resolution_written(ctx))
+                 *(monas or ()), resolution_written(ctx))
     return True
+
+
+def _precondition(pre, inputs, buckets, params, grads, states, indices, group, ctx, policy: str) -> None:
+    """KL-Shampoo on the fp32 M stacks the write kernel left in ``pre.inputs``, with the kernels' per-tensor
+    decisions as device tensors (the guard's scale, "entirely finite", "skip" with a bad entry: bit 3 and
+    bit 1 of the flags) — never read on the host."""
+    n = len(params)
+    if pre.dec is None:  # "off": every gradient is an observation, none scaled
+        ok = torch.ones((), dtype=torch.bool, device=params[0].device)
+        scales, oks, keep = [None] * n, [ok] * n, [False] * n
+    else:
+        scales = list(pre.dec[:, 0].unbind(0)) if ctx["spike_factor"] is not None else [None] * n
+        oks = list(((pre.dec_flags & 8) == 0).unbind(0))
+        keep = list(((pre.dec_flags & 2) != 0).unbind(0)) if policy == "skip" else [False] * n
+    precondition_stacks(pre.inputs, inputs, buckets, params, grads, states, indices, group, ctx, scales=scales,
+                        oks=oks, keep_damping=keep)

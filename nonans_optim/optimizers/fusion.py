@@ -67,8 +67,9 @@ class Fusion(NonansOptimizer):
             shape), "loop" (ground truth), "compiled" (the
             elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
             "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; on
-            CUDA the scalar (AdamW) tensors take the Triton step of :mod:`._fused_triton`; spectral groups
-            they do not cover — CUDA, fp16 NS5 — run "compiled").
+            CUDA the Triton kernels of :mod:`._fused_triton`, for the AdamW tensors and NS5 spectral groups;
+            groups neither covers — fp16 NS5, 16-bit parameters — run "compiled", or with KL-Shampoo
+            "foreach").
     """
 
     _impls = ("auto", "loop", "foreach", "compiled", "fused")
