@@ -340,16 +340,12 @@ def test_one_percent_faulty_steps_end_near_the_clean_run():
 GPU_CASES = impl_cases(("auto", "foreach", "compiled"))  # auto: the default users get
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("info, impl", GPU_CASES, ids=impl_ids(GPU_CASES))
-def test_no_host_sync_in_step_on_gpu(info, impl):
+def _gpu_steps_without_sync(info, *, first_may_sync: bool = False, **kw):
+    """Three CUDA steps of ``info``'s optimizer on the test model, the last with a NaN gradient entry, each
+    under ``no_host_sync`` (the first one too, unless ``first_may_sync``): returns the optimizer."""
     model = make_model().cuda()
-    opt = info.make(model.named_parameters(), impl=impl)
+    opt = info.make(model.named_parameters(), **kw)
     tokens, img, y = (t.cuda() for t in make_batch(0))
-    # The first step allocates state, and must not sync either — except where it runs torch.compile
-    # (impl="compiled"), whose compile syncs (inductor's, not ours: 129 to
-    # 236 syncs at the first step on an H100, 0 after, `python -m experiments sync-audit`).
-    compiles = impl == "compiled"
     for i in range(3):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(tokens, img), y)
@@ -357,12 +353,22 @@ def test_no_host_sync_in_step_on_gpu(info, impl):
         if i == 2:
             model.fc1.weight.grad[0, 0] = float("nan")
         opt.set_loss(loss)
-        if i == 0 and compiles:
+        if i == 0 and first_may_sync:
             opt.step()
             continue
         with no_host_sync():
             opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    return opt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("info, impl", GPU_CASES, ids=impl_ids(GPU_CASES))
+def test_no_host_sync_in_step_on_gpu(info, impl):
+    # The first step allocates state, and must not sync either — except where it runs torch.compile
+    # (impl="compiled"), whose compile syncs (inductor's, not ours: 129 to 236 syncs at the first step on an
+    # H100, 0 after, `python -m experiments sync-audit`).
+    _gpu_steps_without_sync(info, first_may_sync=impl == "compiled", impl=impl)
 
 
 @pytest.mark.gpu
@@ -373,23 +379,11 @@ def test_no_host_sync_under_deterministic_algorithms_on_gpu(info, monkeypatch):
     its result never depended on the order anyway) — and a swapped kernel may synchronise where the default
     one does not. The default step, with an event, under both modes at once."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (read at each call)
-    model = make_model().cuda()
-    opt = info.make(model.named_parameters())
-    tokens, img, y = (t.cuda() for t in make_batch(0))
     torch.use_deterministic_algorithms(True)
     try:
-        for i in range(3):
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(tokens, img), y)
-            loss.backward()
-            if i == 2:
-                model.fc1.weight.grad[0, 0] = float("nan")
-            opt.set_loss(loss)
-            with no_host_sync():
-                opt.step()
+        opt = _gpu_steps_without_sync(info)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert all(torch.isfinite(p).all() for p in model.parameters())
     assert opt.metrics()["resolution/events_total"] >= 1
 
 
