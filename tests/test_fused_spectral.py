@@ -121,6 +121,33 @@ def check_skip_keeps_kl_damping(device, shapes=SHAPES[:3]) -> None:
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
 
 
+def test_tensors_on_different_first_steps():
+    check_tensors_on_different_first_steps("cpu")
+
+
+def check_tensors_on_different_first_steps(device) -> None:
+    """MONA's G_prev starts as a tensor's own first gradient, so in one group a parameter whose gradient
+    first arrives later is on its first step while the others are not (a head unfrozen after warm-up, say):
+    the fused step must decide "first" per tensor, as the loop does — with a bad entry on that first step.
+    (Also run on the Triton kernels: tests/test_kernels_spectral_step.py.)"""
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(16, 12).to(device)) for _ in range(3)]
+        opt = no.FullFusion([{"params": ps, "path": "spectral"}], lr=1e-2, impl=impl, ns5_dtype="fp32")
+        gen = torch.Generator().manual_seed(1)
+        for t in range(4):
+            for i, p in enumerate(ps):  # parameter i first has a gradient at step i
+                p.grad = torch.randn(p.shape, generator=gen).to(device) if i <= t else None
+            if t == 2:
+                ps[2].grad[1, 1] = float("nan")
+            opt.step()
+        assert [int(opt.state[p]["step"]) for p in ps] == [4, 3, 2]
+        runs.append((ps, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+
+
 @pytest.mark.parametrize("impl", ["loop", "compiled", "fused"])
 def test_bf16_buffer_entry_that_rounds_to_inf_is_kept(impl):
     """momentum=0 makes the new buffer g itself: 3.40e38 is finite in fp32 but rounds to Inf in a bf16

@@ -12,6 +12,7 @@ Pinned down, with a fallback to ``impl="compiled"`` made to fail the test:
   the Resolution tensors and the events;
 * matrices of several blocks and rows wider than one row chunk, with the spike guard firing, a bf16
   momentum buffer and a bf16 NS5 input (SF-NorMuon and FullFusion); KL-Shampoo's damping under "skip";
+  MONA's first step decided per tensor;
 * a clean "repair" step bit-identical to "off";
 * what "repair" adds to "off": the two decision launches (and the record kernel), no torch op (with
   KL-Shampoo, the torch ops between the launches read the decisions on the device);
@@ -125,6 +126,14 @@ def case_skip_keeps_kl_damping(device, monkeypatch):
     check_skip_keeps_kl_damping(device, shapes=[(16, 24), (16, 24), (30, 8)])  # small: the interpreter is slow
 
 
+def case_tensors_on_different_first_steps(device, monkeypatch):
+    """MONA's "first step" is a per-tensor flag the host copies with the hyperparameters."""
+    from test_fused_spectral import check_tensors_on_different_first_steps
+
+    _force_triton(monkeypatch)
+    check_tensors_on_different_first_steps(device)
+
+
 def case_clean_repair_is_off(device, monkeypatch):
     _force_triton(monkeypatch)
     runs = [_run_wide("fused", policy, device=device, clean=True, steps=3)[0] for policy in ("repair", "off")]
@@ -206,6 +215,10 @@ def _define(device, marks=()):
         case_skip_keeps_kl_damping(device, monkeypatch)
 
     @mark
+    def test_tensors_on_different_first_steps(monkeypatch):
+        case_tensors_on_different_first_steps(device, monkeypatch)
+
+    @mark
     def test_clean_repair_is_off(monkeypatch):
         case_clean_repair_is_off(device, monkeypatch)
 
@@ -215,7 +228,8 @@ def _define(device, marks=()):
         case_launch_failure_falls_back(device, kernel, monkeypatch)
 
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
-            test_skip_keeps_kl_damping, test_clean_repair_is_off, test_launch_failure_falls_back)
+            test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
+            test_launch_failure_falls_back)
 
 
 if INTERPRETED:
@@ -251,7 +265,8 @@ if INTERPRETED:
         _run_both(make, mats, _grads(mats, plan, seed), 1)
 
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
-     test_skip_keeps_kl_damping, test_clean_repair_is_off, test_launch_failure_falls_back) = _define("cpu")
+     test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
+     test_launch_failure_falls_back) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -259,7 +274,7 @@ else:
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
-     test_gpu_skip_keeps_kl_damping, test_gpu_clean_repair_is_off,
+     test_gpu_skip_keeps_kl_damping, test_gpu_tensors_on_different_first_steps, test_gpu_clean_repair_is_off,
      test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
