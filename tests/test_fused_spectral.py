@@ -119,6 +119,8 @@ def check_skip_keeps_kl_damping(device, shapes=SHAPES[:3]) -> None:
     (ref, ref_opt, ref_d), (got, got_opt, got_d) = runs
     assert ref_d == got_d
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)  # the bypass is a "direction" event, counted alike
+    assert (2, 0, "direction") in {e[:3] for e in event_tuples(got_opt)}
 
 
 def test_tensors_on_different_first_steps():

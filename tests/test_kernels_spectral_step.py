@@ -181,12 +181,18 @@ def case_repair_adds_only_the_decision_launches(monkeypatch):
                                       "_scale_kernel", "_apply_kernel"])
     # FullFusion: MONA rides in the same launches; with KL-Shampoo the write kernel stores M itself (no norm
     # launches), and the preconditioner's torch ops between it and NS5 read the kernels' decisions on the
-    # device (the ops "repair" adds: the flags per tensor and the direction counts)
+    # device. What "repair" adds there: per matrix only the spike guard's scale of the gradient the factors
+    # see (a multiply by 1.0 unless it fired: no host decision); the flags and the direction counts a few
+    # ops per group (six matrices here, so a count per matrix would show)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((16, 24), (16, 24), (30, 8)) * 2]
     seen = step_launches(monkeypatch, no.FullFusion([{"params": params, "path": "spectral"}], lr=1e-3,
                                                      impl="fused"), params)
-    (_, rep_launch), (_, off_launch) = seen["repair"], seen["off"]
+    (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
     assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
     assert off_launch == Counter(["_write_kernel", "_rows_kernel", "_scale_kernel", "_apply_kernel"])
+    extra = rep_ops - off_ops
+    assert extra["aten.mul.Tensor"] == len(params), extra
+    assert sum(extra.values()) - len(params) <= 8, extra
 
 
 def _define(device, marks=()):

@@ -38,10 +38,10 @@ def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], bu
     is always applied — ×1 is exact); ``oks`` a 0-d bool, "the gradient was entirely finite";
     ``keep_damping`` True (or a 0-d bool tensor) for a "skip" tensor with a bad entry, whose damping is put
     back (the loop restores all its state; its factors do not move anyway, that gradient being no
-    observation). Counts the direction events into this step's dense block under a resolution policy."""
-    gate = ctx["resolution"] is not None
-    dense = dense_counts(ctx, params[0].device) if gate else None
-    direction = STAGE_INDEX["direction"]
+    observation). Counts the direction events into this step's dense block under a resolution policy: one
+    flag per matrix, added into the block by one ``index_add_`` for the group (a count op per matrix was
+    four device launches each, on a GPU the host's time)."""
+    flags, order = [], []
     for R, X, (members, _) in zip(raws, inputs, buckets):
         for j, i in enumerate(members):
             st = states[i]
@@ -59,6 +59,11 @@ def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], bu
                 st["kl_damping"].copy_(damping)
             elif damping is not None:  # decided on the device: select, no sync
                 torch.where(keep, damping, st["kl_damping"], out=st["kl_damping"])
-            if gate:
-                dense[indices[i], direction, 1] += (internal_bad | bypassed).to(torch.int64)
+            flags.append(internal_bad | bypassed)
+            order.append(indices[i])
         X.copy_(normalise(R))
+    if ctx["resolution"] is not None:
+        device = params[0].device
+        dense = dense_counts(ctx, device)
+        dense[:, STAGE_INDEX["direction"], 1].index_add_(0, ctx["device_indices"](order, device),
+                                                         torch.stack(flags).to(torch.int64))
