@@ -38,9 +38,10 @@ def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], bu
     is always applied — ×1 is exact); ``oks`` a 0-d bool, "the gradient was entirely finite";
     ``keep_damping`` True (or a 0-d bool tensor) for a "skip" tensor with a bad entry, whose damping is put
     back (the loop restores all its state; its factors do not move anyway, that gradient being no
-    observation). Counts the direction events into this step's dense block under a resolution policy: one
-    flag per matrix, added into the block by one ``index_add_`` for the group (a count op per matrix was
-    four device launches each, on a GPU the host's time)."""
+    observation). Counts the direction events (a bypassed preconditioner or an internal overflow) into this
+    step's dense block under a resolution policy with a few ops for the whole group — stacked flags and one
+    ``index_add_`` — where a count per matrix took four (device launches on a GPU: the host's time)."""
+    gate = ctx["resolution"] is not None
     flags, order = [], []
     for R, X, (members, _) in zip(raws, inputs, buckets):
         for j, i in enumerate(members):
@@ -59,11 +60,13 @@ def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], bu
                 st["kl_damping"].copy_(damping)
             elif damping is not None:  # decided on the device: select, no sync
                 torch.where(keep, damping, st["kl_damping"], out=st["kl_damping"])
-            flags.append(internal_bad | bypassed)
-            order.append(indices[i])
+            if gate:
+                flags.append((internal_bad, bypassed))
+                order.append(indices[i])
         X.copy_(normalise(R))
-    if ctx["resolution"] is not None:
+    if gate:
         device = params[0].device
         dense = dense_counts(ctx, device)
+        internal, bypassed = (torch.stack(f) for f in zip(*flags))
         dense[:, STAGE_INDEX["direction"], 1].index_add_(0, ctx["device_indices"](order, device),
-                                                         torch.stack(flags).to(torch.int64))
+                                                         (internal | bypassed).to(torch.int64))
