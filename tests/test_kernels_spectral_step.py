@@ -141,20 +141,20 @@ def case_clean_repair_is_off(device, monkeypatch):
         assert torch.equal(p, q)
 
 
-def case_launch_failure_falls_back(device, kernel, monkeypatch):
+def case_launch_failure_falls_back(device, kernel, cls, monkeypatch):
     """The buffer write is the first persistent write: a kernel that fails to compile there, or in the
     direction side after it (compiled ahead, before the write), leaves nothing half-done — one warning,
-    the step counts put back — and the step and every later one run impl="compiled", matching
-    impl="loop"."""
+    the step counts put back — and the step and every later one run impl="compiled" (FullFusion, which
+    it does not cover: "foreach"), matching impl="loop"."""
     from nonans_optim.kernels import spectral_step as k
     from nonans_optim.optimizers import _fused_triton
     from test_kernels_scalar_step import break_kernel
 
     monkeypatch.setattr(_fused_triton, "_COMPILED", set())
     break_kernel(monkeypatch, k, kernel)
-    ref, ref_opt = _run("loop", no.SFNorMuon, "repair", device=device)
+    ref, ref_opt = _run("loop", cls, "repair", device=device)
     with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
-        got, got_opt = _run("fused", no.SFNorMuon, "repair", device=device)
+        got, got_opt = _run("fused", cls, "repair", device=device)
     assert sum("Triton kernels failed" in str(w.message) for w in record) == 1
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
     assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
@@ -229,9 +229,10 @@ def _define(device, marks=()):
         case_clean_repair_is_off(device, monkeypatch)
 
     @mark
-    @pytest.mark.parametrize("kernel", ["_write_kernel", "_apply_kernel"])
-    def test_launch_failure_falls_back(kernel, monkeypatch):
-        case_launch_failure_falls_back(device, kernel, monkeypatch)
+    @pytest.mark.parametrize("kernel, cls", [("_write_kernel", no.SFNorMuon), ("_apply_kernel", no.SFNorMuon),
+                                             ("_write_kernel", no.FullFusion)], ids=["write", "apply", "FullFusion"])
+    def test_launch_failure_falls_back(kernel, cls, monkeypatch):
+        case_launch_failure_falls_back(device, kernel, cls, monkeypatch)
 
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,

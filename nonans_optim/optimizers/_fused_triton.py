@@ -85,7 +85,8 @@ def _failed(err: Exception, states: list[dict]) -> None:
     undo_steps(states)
     _FAILED.append(f"{type(err).__name__}: {err}")
     warnings.warn(f"impl='fused': the Triton kernels failed ({_FAILED[0][:300]}); falling back to "
-                  "impl='compiled' (impl='auto': 'foreach')", RuntimeWarning, stacklevel=7)
+                  "impl='compiled' where it covers a group, else (and under impl='auto') 'foreach'", RuntimeWarning,
+                  stacklevel=7)
 
 
 _SPECTRAL = frozenset({"ns5", "normuon", "sf", "mona", "shampoo"})
