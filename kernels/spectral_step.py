@@ -147,8 +147,8 @@ def _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV: tl.constexpr, GA
 
 @triton.jit
 def _msq_kernel(ADDR, MONA_ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, DEC, MSQ, NESTEROV: tl.constexpr,
-                GATE: tl.constexpr, GUARD: tl.constexpr, MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, ALIGNED: tl.constexpr,
-                EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+                GATE: tl.constexpr, GUARD: tl.constexpr, MONA: tl.constexpr, G_TY: tl.constexpr,
+                BUF_TY: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
     """MSQ[pid] = Σ M² over this program's block, in float64 (no fp32 square overflows or underflows there,
     so the NS5 input is scale invariant over fp32's whole range). Writes nothing else."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
@@ -182,12 +182,12 @@ def _norm_kernel(MSQ, FIRST, INV, RBLOCK: tl.constexpr):
 @triton.jit
 def _write_kernel(ADDR, MONA_ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC, DEC_FLAGS, EMA, DENSE,
                   NESTEROV: tl.constexpr, GATE: tl.constexpr, GUARD: tl.constexpr, MONA: tl.constexpr,
-                  G_TY: tl.constexpr,
-                  BUF_TY: tl.constexpr, X_TY: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  G_TY: tl.constexpr, BUF_TY: tl.constexpr, X_TY: tl.constexpr, ALIGNED: tl.constexpr,
+                  EMULATE: tl.constexpr, BLOCK: tl.constexpr):
     """The new momentum buffer and MONA's G_prev and A (all kept whole for a "skip" tensor with a bad entry)
-    and X = M/‖M‖ in the hot dtype (M itself for KL-Shampoo: INV all ones, X fp32); under GATE the gradient and moment counts (one atomic per count, only for a block that has
-    something to count) and, in a tensor's first block, the guard's EMA and spike count."""
+    and X = M/‖M‖ in the hot dtype (M itself for KL-Shampoo: INV all ones, X fp32); under GATE the gradient
+    and moment counts (one atomic per count, only for a block that has something to count) and, in a
+    tensor's first block, the guard's EMA and spike count."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     s = 1.0
     keep_all = t < 0

@@ -223,9 +223,9 @@ def test_record_kernel(consume):
 @pytest.mark.parametrize("buf, hot", [("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "fp32")])
 def test_spectral_step_kernels(policy, buf, hot):
     """The spectral step of impl="fused" on CUDA (kernels/spectral_step.py): its six launches, every variant
-    (MONA on and off in the momentum launches), with the argument types the host passes (under "off" the decision slots are a float64 scratch tensor,
-    never read). Counting variants use atomics; nothing contracts to an FMA (clean repair must equal off);
-    full blocks and aligned rows use vector loads."""
+    (MONA on and off in the momentum launches), with the argument types the host passes (under "off" the
+    decision slots are a float64 scratch tensor, never read). Counting variants use atomics; nothing
+    contracts to an FMA (clean repair must equal off); full blocks and aligned rows use vector loads."""
     import triton.language as tl
 
     from nonans_optim.kernels import spectral_step as k

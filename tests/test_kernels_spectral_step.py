@@ -55,8 +55,9 @@ def _force_triton(monkeypatch):
 
 
 def _run_wide(impl, policy, *, device, steps=5, clean=False, cls=no.SFNorMuon, **kw):
-    """SF-NorMuon (or ``cls``) on SHAPES (several kernel blocks per matrix, rows wider than a row chunk): partial NaN/Inf,
-    a finite momentum overflow, a whole tensor NaN twice (the hold rule) and a finite spike (the guard)."""
+    """SF-NorMuon (or ``cls``) on SHAPES (several kernel blocks per matrix, rows wider than a row chunk):
+    partial NaN/Inf, a finite momentum overflow, a whole tensor NaN twice (the hold rule) and a finite spike
+    (the guard)."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(0.1 * torch.randn(s).to(device)) for s in SHAPES]
     opt = cls([{"params": ps, "path": "spectral"}], lr=1e-2, weight_decay=0.1, impl=impl, resolution=policy, **kw)

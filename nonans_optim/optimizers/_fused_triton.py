@@ -143,8 +143,8 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     steps = host_steps(states)
     sel, res, factor = resolution_args(ctx, indices, device, recent_rule=True)
-    # one host→device copy: [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] for the direction side, [1-μ, μ, α, 1-β, first...]
-    # for the momentum side (MONA's G_prev starts as the gradient on a tensor's first step)
+    # one host→device copy: [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] for the direction side, [1-μ, μ, α, 1-β,
+    # first...] for the momentum side (MONA's G_prev starts as the gradient on a tensor's first step)
     hp = to_device(torch.tensor([1 - group["normuon_beta2"], group["normuon_eps"], group["weight_decay"], c,
                                  group["sf_beta"] * (1 - c) - 1, 1 - group["momentum"], group["momentum"],
                                  group["mona_alpha"] if mona else 0.0, 1 - group["mona_beta"] if mona else 0.0,
