@@ -10,9 +10,9 @@ from .._checkpoint import GLOBAL_KEY
 from ..detection import Tally, tally
 from ..resolution import STAGE_INDEX
 
-__all__ = ["check_sizes", "record", "record_tally", "record_inf", "assemble_counts", "eager_guard", "dense_counts",
-           "recent_flags", "mark_written", "resolution_written", "take_snapshot", "keep_flags", "commit_update",
-           "restore_if_bad"]
+__all__ = ["check_sizes", "check_spectral_sizes", "record", "record_tally", "record_inf", "assemble_counts",
+           "eager_guard", "dense_counts", "recent_flags", "mark_written", "resolution_written", "take_snapshot",
+           "keep_flags", "commit_update", "restore_if_bad"]
 
 # The eager paths' counts of a step are kept as they come — per (parameter, stage), a finished [nan, inf]
 # pair, a Tally, or an "inf" count — and assembled once, at the end of the step (assemble_counts): summing
@@ -177,3 +177,20 @@ def check_sizes(sizes: list[int], key: str, tensors: list[torch.Tensor]) -> None
         i = next(i for i, (a, b) in enumerate(zip(got, sizes)) if a != b)
         raise ValueError(f"state[{key!r}] of a parameter has {got[i]} entries where its parameter needs "
                          f"{sizes[i]}: the optimizer state does not belong to these parameters")
+
+
+
+def check_spectral_sizes(sizes: list[int], rows: list[int], bufs: list[torch.Tensor],
+                         zs: list[torch.Tensor] | None = None, vs: list[torch.Tensor] | None = None,
+                         monas: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
+    """:func:`check_sizes` for every state tensor a fused spectral kernel indexes (native loops and Triton
+    alike): the momentum buffer, schedule-free z and MONA's G_prev and A by the parameter's size, NorMuon's
+    row moment by its matrix's row count. None: that component is off."""
+    check_sizes(sizes, "momentum_buffer", bufs)
+    if zs is not None:
+        check_sizes(sizes, "z", zs)
+    if monas is not None:
+        check_sizes(sizes, "mona_prev_grad", monas[0])
+        check_sizes(sizes, "mona_diff_avg", monas[1])
+    if vs is not None:
+        check_sizes(rows, "normuon_row_sq", vs)

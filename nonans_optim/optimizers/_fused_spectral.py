@@ -36,7 +36,7 @@ from ..functional.spike import SPIKE_BETA
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
-from ._common import check_sizes, mark_written, resolution_written
+from ._common import check_spectral_sizes, mark_written, resolution_written
 from ._fused import Int64Array, pointers, resolution_pointers
 from ._fused_triton import backend, triton_spectral_update
 from ._kl_stacks import precondition_stacks
@@ -107,13 +107,9 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     zs = [st["z"] for st in states] if sf else []
     vs = [st["normuon_row_sq"] for st in states] if normuon else []
     mona_bufs = ([st["mona_prev_grad"] for st in states], [st["mona_diff_avg"] for st in states]) if mona else ([], [])
-    sizes = [p.numel() for p in params]
-    for key, lst in (("momentum_buffer", bufs), ("z", zs), ("mona_prev_grad", mona_bufs[0]),
-                     ("mona_diff_avg", mona_bufs[1])):
-        if lst:
-            check_sizes(sizes, key, lst)
-    if normuon:
-        check_sizes([matrix_shape(p)[0] for p in params], "normuon_row_sq", vs)
+    shapes = [matrix_shape(p) for p in params]
+    check_spectral_sizes([p.numel() for p in params], [m for m, _ in shapes], bufs, zs if sf else None,
+                         vs if normuon else None, mona_bufs if mona else None)
     ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers(steps),
             pointers(zs) if sf else True, pointers(vs) if normuon else True,
             pointers(mona_bufs[0]) if mona else True, pointers(mona_bufs[1]) if mona else True]
@@ -122,7 +118,6 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr, prev_ptr, avg_ptr = ptrs
     n = len(params)
     nulls = Int64Array([0] * n)
-    shapes = [matrix_shape(p) for p in params]
     rows, cols = Int64Array([s[0] for s in shapes]), Int64Array([s[1] for s in shapes])
     buckets = _buckets(params)
     inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(params[0], tuple(shapes), buckets, hot,

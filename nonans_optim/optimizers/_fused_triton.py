@@ -29,7 +29,7 @@ from .. import kernels
 from .._transfer import to_device
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
-from ._common import check_sizes, mark_written, resolution_written
+from ._common import check_sizes, check_spectral_sizes, mark_written, resolution_written
 from ._compiled import group_kernel_args, host_steps, resolution_args, undo_steps
 from ._compiled_spectral import _buckets
 from ._kl_stacks import precondition_stacks
@@ -134,12 +134,7 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
             or gamma.device != device or hot not in (torch.float32, torch.bfloat16):
         return False
     shapes, buckets, sizes, rows = _group_shapes(params)
-    for key, lst in (("momentum_buffer", bufs), ("z", zs if sf else None),
-                     ("mona_prev_grad", monas[0] if mona else None), ("mona_diff_avg", monas[1] if mona else None)):
-        if lst is not None:
-            check_sizes(sizes, key, lst)
-    if normuon:
-        check_sizes(rows, "normuon_row_sq", vs)
+    check_spectral_sizes(sizes, rows, bufs, zs if sf else None, vs if normuon else None, monas)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     steps = host_steps(states)
     sel, res, factor = resolution_args(ctx, indices, device, recent_rule=True)
