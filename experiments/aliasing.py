@@ -118,7 +118,8 @@ def run(args) -> dict[str, Any]:
                      "repair_vs_off_low": min(r["repair_vs_off"] for r in per),
                      "repair_vs_off_high": max(r["repair_vs_off"] for r in per)})
     data = {"command": "python -m experiments aliasing" + (" --quick" if args.quick else ""),
-            "machine": machine_info(), "commit": checkout_commit("nonans_optim/native"), "simd_width": runs[0]["simd_width"],
+            "machine": machine_info(), "commit": checkout_commit("nonans_optim/native"),
+            "simd_width": runs[0]["simd_width"],
             "entries": QUICK_ENTRIES if args.quick else args.entries, "threads": args.threads,
             "rounds": args.rounds, "processes": args.processes, "rows": rows}
     if args.baseline:

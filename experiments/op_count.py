@@ -84,8 +84,9 @@ def _row(name: str, impl: str) -> dict[str, Any]:
 def run() -> dict[str, Any]:
     torch.manual_seed(0)
     rows = [_row(name, impl) for name in OPTIMIZERS for impl in IMPLS]
-    return {"meta": {"commit": checkout_commit("nonans_optim"), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                     "torch": torch.__version__}, "rows": rows}
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    return {"meta": {"commit": checkout_commit("nonans_optim"), "date": date, "torch": torch.__version__},
+            "rows": rows}
 
 
 def render(data: dict[str, Any]) -> str:
