@@ -9,7 +9,8 @@ nothing and are not counted. A count is exact and repeatable — unlike a CPU ti
 change to the eager paths can be judged by it before a GPU session times it.
 
 Rows: each optimizer of the library on the default GPT of ``experiments/_models.py`` with synthetic
-gradients, under ``impl="foreach"`` (what ``"auto"`` runs for the spectral optimizers on CUDA) and
+gradients, under ``impl="foreach"`` (what ``"auto"`` ran for the spectral optimizers on CUDA until 2026-11-26,
+and still runs there for groups the Triton kernels do not cover) and
 ``impl="fused"`` (on this CPU the native loops, few ops whatever the policy). One optimizer whose policy is
 switched, as in ``experiments/overhead.py``; a step is counted after one warm-up step under its policy.
 

@@ -238,10 +238,11 @@ def run(args) -> dict[str, Any]:
 
 
 def auto_runs(device: torch.device) -> dict[str, str]:
-    """{optimizer class: the impl its default, impl="auto", runs on ``device``} (on CUDA the AdamW family
-    and the spectral optimizers differ: nonans_optim.optimizers._fused.auto_choice)."""
+    """{optimizer class: the impl its default, impl="auto", runs on ``device``}
+    (nonans_optim.optimizers._fused.auto_choice; until 2026-11-26 the spectral optimizers ran "foreach" on
+    CUDA, which the JSONs of earlier GPU runs record)."""
     classes = dict.fromkeys(name.partition(" (")[0] for name in OPTIMIZERS)
-    return {c: auto_choice(device, spectral=c not in ("AdamW", "SFAdamW")) for c in classes}
+    return dict.fromkeys(classes, auto_choice(device))
 
 
 def default_rows(auto_runs: dict[str, str]) -> dict[str, float | None]:

@@ -17,6 +17,7 @@ Pinned down, with a fallback to ``impl="compiled"`` made to fail the test:
 * what "repair" adds to "off": the two decision launches (and the record kernel), no torch op (with
   KL-Shampoo, the torch ops between the launches read the decisions on the device);
 * a launch that fails before the first persistent write leaves nothing half-done and falls back;
+* impl="auto" (the default) runs these kernels, bit for bit impl="fused";
 * hostile random draws (``test_differential.py``'s): the invariant and the loop's events;
 * GPU only: no host synchronisation in the step.
 """
@@ -142,6 +143,29 @@ def case_clean_repair_is_off(device, monkeypatch):
         assert torch.equal(p, q)
 
 
+def case_auto_runs_the_triton_kernels(device, cls, monkeypatch):
+    """impl="auto" takes these kernels wherever impl="fused" does (the default on CUDA since the GPU run of
+    2026-11-26): bit for bit the same parameters and events, every group through the Triton path, never
+    torch.compile (``_force_triton`` fails on it)."""
+    from nonans_optim.optimizers import _fused_spectral
+
+    taken = []
+    real = _fused_spectral.triton_spectral_update
+
+    def counted(*args, **kwargs):
+        taken.append(real(*args, **kwargs))
+        return taken[-1]
+
+    _force_triton(monkeypatch)
+    monkeypatch.setattr(_fused_spectral, "triton_spectral_update", counted)
+    got, got_opt = _run("auto", cls, "repair", device=device)
+    assert taken and all(taken)  # every spectral group of every step ran the kernels
+    want, want_opt = _run("fused", cls, "repair", device=device)
+    for p, q in zip(got, want):
+        assert torch.equal(p, q)
+    assert event_tuples(got_opt) == event_tuples(want_opt)
+
+
 def case_launch_failure_falls_back(device, kernel, cls, monkeypatch):
     """The buffer write is the first persistent write: a kernel that fails to compile there, or in the
     direction side after it (compiled ahead, before the write), leaves nothing half-done — one warning,
@@ -235,9 +259,14 @@ def _define(device, marks=()):
     def test_launch_failure_falls_back(kernel, cls, monkeypatch):
         case_launch_failure_falls_back(device, kernel, cls, monkeypatch)
 
+    @mark
+    @pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
+    def test_auto_runs_the_triton_kernels(cls, monkeypatch):
+        case_auto_runs_the_triton_kernels(device, cls, monkeypatch)
+
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
-            test_launch_failure_falls_back)
+            test_launch_failure_falls_back, test_auto_runs_the_triton_kernels)
 
 
 if INTERPRETED:
@@ -274,7 +303,7 @@ if INTERPRETED:
 
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
      test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
-     test_launch_failure_falls_back) = _define("cpu")
+     test_launch_failure_falls_back, test_auto_runs_the_triton_kernels) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -283,7 +312,7 @@ else:
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
      test_gpu_skip_keeps_kl_damping, test_gpu_tensors_on_different_first_steps, test_gpu_clean_repair_is_off,
-     test_gpu_launch_failure_falls_back) = _define("cuda", marks=gpu)
+     test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

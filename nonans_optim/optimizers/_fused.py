@@ -77,22 +77,24 @@ def resolution_pointers(ctx: dict[str, Any], indices: list[int], *, record: bool
                 written=a.written if rec is not None else resolution_written(ctx))
 
 
-def auto_choice(device: torch.device | str, spectral: bool = False) -> str:
+def auto_choice(device: torch.device | str) -> str:
     """What ``impl="auto"`` runs for fp32 contiguous groups on ``device`` — for reports that must say which
     path they measured: "fused" (the native loops) on a CPU where they build; on CUDA "fused" (the Triton
-    kernels) for the (SF-)AdamW step where triton imports, and "foreach" for the spectral step (whose
-    fused CUDA path — Triton kernels for NS5 + NorMuon + schedule-free groups, torch.compile for the others,
-    which a default must not bring — has not been timed on a GPU yet); else "foreach".
+    kernels) where triton imports, for the (SF-)AdamW step and the spectral step alike; else "foreach".
 
-    Why Triton by default on CUDA: on an H100 (2026-11-25, ``python -m experiments overhead --device cuda``,
-    RESULTS.md "overhead-gpu") the foreach AdamW step of that experiment's GPT took 6.8 ms "off" and 33.9 ms
-    under "repair" — a host-bound step of ~580 and ~2900 kernel launches (``python -m experiments
-    sync-audit``) — where the Triton kernels took 0.9 and 1.3 ms. Triton caches their one-time JIT compile
-    on disk."""
+    Why Triton by default on CUDA: the foreach steps are host-bound there — hundreds to thousands of small
+    kernel launches, several times more under "repair" (``python -m experiments sync-audit``). On an H200
+    (2026-11-26, ``python -m experiments overhead --device cuda``, RESULTS.md "overhead-gpu") the AdamW step
+    of that experiment's small GPT took 6.7 ms (foreach) against 0.7 ms (Triton) "off", and SF-NorMuon's
+    11.7 ms against 3.7 ms; on the 124M-parameter GPT (``--model gpt2-small``, "overhead-gpu-gpt2-small")
+    SF-NorMuon's whole training step took 174 ms with the foreach optimizer step and 162 ms with the Triton
+    one, FullFusion's 349 ms and 242 ms. The spectral path's torch.compile fallback is never taken under
+    "auto" (a group the kernels do not cover runs foreach). Triton caches its one-time JIT compile on
+    disk."""
     device = torch.device(device)
     if device.type == "cpu":
         return "fused" if native.library() is not None else "foreach"
-    if device.type == "cuda" and not spectral and kernels.available():
+    if device.type == "cuda" and kernels.available():
         return "fused"
     return "foreach"
 

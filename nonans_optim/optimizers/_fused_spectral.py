@@ -86,11 +86,11 @@ def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype, r
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
 def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                           indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
-                          comps: frozenset[str], gamma: torch.Tensor, c: float, triton: bool = True) -> bool:
-    """Run the group's spectral step in the native loops (or, where the backend is Triton and ``triton``,
-    the Triton kernels); False (nothing changed) when they do not cover it."""
+                          comps: frozenset[str], gamma: torch.Tensor, c: float) -> bool:
+    """Run the group's spectral step in the native loops (or, where the backend is Triton, the Triton
+    kernels); False (nothing changed) when they do not cover it."""
     device = params[0].device
-    if triton and backend(device) == "triton":
+    if backend(device) == "triton":
         return triton_spectral_update(params, grads, states, indices, group, ctx, comps=comps, gamma=gamma, c=c)
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
     if "ns5" not in comps or not comps <= _COVERED or policy not in _POLICY or not device.type == "cpu" \

@@ -83,10 +83,10 @@ def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: 
 def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                     indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
                     comps: frozenset[str], gamma: torch.Tensor, c: float, impl: str) -> None:
-    # the Triton kernels (CUDA) only when asked for: not yet timed on a GPU, so "auto" keeps foreach there
+    # "auto" takes the native loops (CPU) and the Triton kernels (CUDA) too: see _fused.auto_choice for the
+    # GPU timing that decided it
     if impl in ("fused", "auto") and fused_spectral_update(params, grads, states, indices, group, ctx,
-                                                            comps=comps, gamma=gamma, c=c,
-                                                            triton=impl == "fused"):
+                                                            comps=comps, gamma=gamma, c=c):
         return
     # fused falls back to compiled where its loops do not cover the group; auto falls back to foreach
     if impl in ("compiled", "fused") and compiled_spectral_update(params, grads, states, indices, group, ctx,

@@ -62,8 +62,8 @@ class Fusion(NonansOptimizer):
         spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
             (default 10, chosen by ``python -m experiments spikes``; None: off;
             :mod:`nonans_optim.functional.spike`).
-        impl: "auto" (default: "fused" where its native CPU loops cover a group, else "foreach"; CUDA
-            runs "foreach" until the Triton paths are measured on a GPU), "foreach" (batched NS5 per
+        impl: "auto" (default: "fused" where its native CPU loops or, on CUDA, its Triton kernels cover a
+            group, else "foreach" — never torch.compile), "foreach" (batched NS5 per
             shape), "loop" (ground truth), "compiled" (the
             elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
             "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; on
