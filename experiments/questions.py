@@ -145,6 +145,8 @@ def render_open_questions(out: Path = OUT) -> str:
             body = ("- **NS5 in fp16 NaNs above ~256×256.** " + (V.claim_ns5_fp16(q2) if q2 else "(run q2)") +
                     "\n- **AdamW with a diversity penalty NaNs.** " + (V.claim_adamw_diversity(q3) if q3 else "(run q3)") +
                     "\n- **KL-Shampoo alone diverges.** " + V.claim_shampoo_alone(data) + "\n\n" + body)
+        if name == "q2":  # its GPU part comes from the kernels experiment
+            body += V.q2_gpu(read_json(out.parent / "kernels.json"))
         parts.append(head + "\n\n" + body + note)
     return "\n\n".join(parts) + "\n"
 

@@ -57,6 +57,31 @@ def v_q2(d: dict[str, Any]) -> str:
             "(`python -m experiments kernels`), and repeat the trace in training with and without Shampoo.")
 
 
+def q2_gpu(kernels: dict[str, Any] | None) -> str:
+    """Q2's GPU part, the question's "does a fused rescale change the picture?", from the fp16 rescale-restore
+    arm of ``python -m experiments kernels`` (results/kernels.json); empty before a GPU run."""
+    rows = (kernels or {}).get("fp16_safe") or []
+    if not rows or kernels.get("dry_run", True):
+        return ""
+    def shape(r):
+        return f"{r['batch']}×{r['m']}×{r['n']}"
+    ratio = {shape(r): 1 / r["fused_vs_unfused"] for r in rows}  # fused ms / unfused ms
+    listing = ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items())
+    vs_fp16 = ", ".join(f"{shape(r)} {r['fused_vs_plain_fp16']:.2f}x" for r in rows)
+    bf16_speed = ", ".join(f"{shape(r)} {r['plain_bf16_ms'] / r['plain_fp16_ms']:.2f}x" for r in rows)
+    err = ", ".join(f"{shape(r)} {r['rel_err_plain_bf16'] / r['rel_err_fused']:.1f}x" for r in rows)
+    pays = [k for k, v in ratio.items() if v < 0.95]
+    verdict = (f"fusing the rescale pays (5% or more) at {', '.join(pays)}" if pays else
+               f"fusing the rescale does not change the picture on this GPU: at no shape is it 5% faster than "
+               f"the unfused sequence (best {min(ratio.values()):.2f}x)")
+    return (f"\n\n**GPU timing (`python -m experiments kernels` on {kernels['device']}, "
+            f"{kernels.get('date', 'undated')}; RESULTS.md \"Triton kernels on a GPU\").** fp16 NS5 with the "
+            f"rescale fused into the Triton matmul epilogues, in multiples of the time of the same sequence "
+            f"unfused in torch: {listing}; in multiples of plain fp16 NS5: {vs_fp16}. Plain bf16 in multiples of "
+            f"plain fp16's time: {bf16_speed}; its error against the fp32 iteration in multiples of the fused "
+            f"fp16 path's: {err}. So {verdict}.")
+
+
 def v_q3(d: dict[str, Any]) -> str:
     def runs(arm, init=None):
         return [r for r in d["runs"] if r["arm"] == arm and (init is None or r["init"] == init)]

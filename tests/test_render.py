@@ -104,3 +104,18 @@ def test_sync_audit_section_names_its_date_when_recorded():
     data = json.loads((ROOT / "results" / "sync_audit.json").read_text())
     assert "measured" not in render({k: v for k, v in data.items() if k != "date"})
     assert "measured 2026-11-26T08:00:00" in render({**data, "date": "2026-11-26T08:00:00"})
+
+
+def test_open_question_2b_reads_the_gpu_run_of_the_kernels_experiment():
+    """Q2's GPU part is rendered from results/kernels.json's fp16 rescale arm, only from a GPU run, and its
+    verdict follows the numbers (the fused rescale "pays" only where it is 5% faster than unfused)."""
+    from experiments.questions_verdicts import q2_gpu
+
+    row = dict(batch=1, m=4096, n=4096, fused_vs_unfused=1.0 / 0.98, fused_vs_plain_fp16=1.17, plain_bf16_ms=2.9,
+               plain_fp16_ms=3.0, rel_err_plain_bf16=8.6e-3, rel_err_fused=1.0e-3)
+    gpu = dict(device="NVIDIA H200", date="2026-11-26T01:32:19", dry_run=False, fp16_safe=[row])
+    assert q2_gpu(None) == "" and q2_gpu({**gpu, "dry_run": True}) == "" and q2_gpu({**gpu, "fp16_safe": []}) == ""
+    text = q2_gpu(gpu)
+    assert "NVIDIA H200, 2026-11-26T01:32:19" in text and "1×4096×4096 0.98x" in text and "8.6x" in text
+    assert "does not change the picture" in text and "best 0.98x" in text
+    assert "pays (5% or more) at 1×4096×4096" in q2_gpu({**gpu, "fp16_safe": [{**row, "fused_vs_unfused": 1.25}]})
