@@ -229,6 +229,8 @@ def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[s
                 q.grad = torch.randn_like(q) * 1e-2
             opt = make(params)
             out[f"{name}_ms"] = timer(opt.step)
+            if device.type == "cuda":
+                out.setdefault("device_us", {})[name] = device_time_per_step(opt.step)
     finally:
         if before is None:
             os.environ.pop("NONANS_FUSED_BACKEND")
@@ -241,6 +243,27 @@ def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[s
     log(f"  AdamW(impl='fused') x{tensors} tensors: repair {out['repair_ms']:.3f} ms "
         f"({out['repair_gbps']:.0f} GB/s), off {out['off_ms']:.3f} ms, torch fused {out['torch_fused_ms']:.3f} ms")
     return out
+
+
+def device_time_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
+    """{kernel name: GPU µs per step} of ``steps`` calls (torch.profiler), and "total". Beside the timer's
+    wall time per step it says whether a step is bound by the GPU (total ≈ the time) or by the host issuing
+    it (total well under it) — which decides whether "repair"'s extra cost is its kernels or their launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        us = ev.cuda_time_total if us is None else us
+        if us:
+            per[ev.key] = per.get(ev.key, 0.0) + us / steps
+    per["total"] = sum(per.values())
+    return per
 
 
 def check_targets(rows: list[dict]) -> dict[str, Any]:
@@ -343,6 +366,14 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"\nAdamW(impl=\"fused\") repair / off: {f['repair_vs_off']:.3f}; repair / torch fused: "
                      f"{f['repair_vs_torch_fused']:.3f}. Target: the fused elementwise kernel at ≥ 0.80 of the copy "
                      "bandwidth.")
+        if f.get("device_us"):
+            lines.append("\nGPU time per step of those arms (torch.profiler, 5 steps), by kernel, against the wall "
+                         "time above — a total well under it means the step waits on the host issuing it:\n")
+            lines += ["| arm | wall µs | GPU µs total | kernels (µs) |", "|---|---|---|---|"]
+            for arm, per in f["device_us"].items():
+                top = sorted(((k, v) for k, v in per.items() if k != "total"), key=lambda kv: -kv[1])[:5]
+                lines.append(f"| {arm} | {f[arm + '_ms'] * 1e3:.0f} | {per['total']:.0f} | "
+                             + ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top) + " |")
     return "\n".join(lines)
 
 

@@ -259,6 +259,11 @@ if INTERPRETED:
         assert all(f"| {b}×{m}×{n} |" in text for b, m, n in bench.DRY_SHAPES) and "Targets:" in text
         assert 'AdamW(impl="fused") repair / off' in text and "open question 2b" in text
         assert f"measured {data['date']}" in text  # which run a table is: its date is in the section
+        assert "GPU time per step" not in text  # the profiler's breakdown is a CUDA run's only
+        fused["device_us"] = {"repair": {"_update_kernel": 400.0, "_stats_kernel": 9.0, "total": 409.0},
+                              "off": {"_update_kernel": 380.0, "total": 380.0}}
+        text = bench.render(data)
+        assert "| repair | " in text and "| 409 | `_update_kernel` 400, `_stats_kernel` 9 |" in text
         with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
             bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
         assert not (tmp_path / "R.md").exists()
