@@ -42,8 +42,9 @@ from nonans_optim.functional.spike import SPIKE_BETA, TINY
 from nonans_optim.resolution import STAGES, RecentRule
 
 from ._elementwise import elementwise_block, kept_finite, policy_code
-from ._multi import (_GRAD_INF, _GRAD_NAN, _MOMENT_INF, _ROW, _SPIKE, _UPDATE_INF, _UPDATE_NAN, _add_count,
-                     _block, _column, _count, _finite, _layout, _lerp, _load, _store, address_table, supported)
+from ._multi import (_B_GRAD_INF, _B_GRAD_NAN, _B_MOMENT, _B_UPDATE2_INF, _B_UPDATE2_NAN, _B_UPDATE_INF,
+                     _B_UPDATE_NAN, _BEFORE_UPDATE, _PACK_BLOCK, _ROW, _SPIKE, _add_packed, _block, _column, _finite,
+                     _flag, _layout, _lerp, _load, _packed_counts, _store, address_table, supported)
 from ._runtime import interpreting, on_device, tl_dtype
 
 __all__ = ["scalar_step_", "scalar_step_reference_", "supported", "_stats_kernel", "_decide_kernel",
@@ -163,9 +164,10 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
 def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s, hold, keep_all,
                   TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
                   EMULATE: tl.constexpr, MASKED: tl.constexpr):
-    """The step of _compiled._one_tensor on one block, in place; returns its counts (grad NaN, grad
-    non-finite, m/v overflow, update NaN, update non-finite), zeros without GATE. Every gate tests the
-    value as it will be stored (:func:`._elementwise.kept_finite`)."""
+    """The step of _compiled._one_tensor on one block, in place; returns its counts (grad NaN, grad ±Inf,
+    m/v overflow, update NaN, update ±Inf) packed in one int64 (:func:`._multi._packed_counts`), 0 without
+    GATE. Every gate tests the value as it will be stored (:func:`._elementwise.kept_finite`)."""
+    tl.static_assert(idx.shape[0] <= _PACK_BLOCK, "packed counts: a field holds at most 2 per entry")
     one_m_b1, b2, one_m_b2 = tl.load(hp_ptr), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2)
     eps, wd, c, coef = tl.load(hp_ptr + 3), tl.load(hp_ptr + 4), tl.load(hp_ptr + 5), tl.load(hp_ptr + 6)
     g = _load(g_ptr, idx, mask, MASKED)
@@ -202,32 +204,29 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         d = tl.div_rn(tl.div_rn(mn, bc1), denom)
         y = po * (1.0 - lr * wd) - lr * d
         sn = mn
-    zero = tl.sum(tl.zeros_like(idx), axis=0)
-    gn, gb, ov, un, ub = zero, zero, zero, zero, zero
-    if GATE:
-        gn = _count(g != g, mask, MASKED)
-        gb = _count(~ok, mask, MASKED)
-        ov = _count(ok & ~v_ok, mask, MASKED)  # new v overflowed with a finite g (the loop's moment stage)
+    if GATE:  # each entry's events as the bits of one int32 (_multi._flag), counted after the stores
+        over = ok & ~v_ok  # new v overflowed with a finite g (the loop's moment stage)
         if not SF:  # entries where v or m overflowed, once each (functional/adam.py)
-            ov = _count(ok & ~(v_ok & m_ok), mask, MASKED)
+            over = ok & ~(v_ok & m_ok)
         y_ok = kept_finite(y, TY, EMULATE)
-        un = _count(y != y, mask, MASKED)
-        ub = _count(~y_ok, mask, MASKED)
+        code = (_flag(g != g, _B_GRAD_NAN) | _flag(~ok & (g == g), _B_GRAD_INF) | _flag(over, _B_MOMENT)
+                | _flag(y != y, _B_UPDATE_NAN) | _flag(~y_ok & (y == y), _B_UPDATE_INF))
         y = tl.where(y_ok & ~hold, y, po)
         if SF:
             z_ok = kept_finite(sn, TY, EMULATE)
-            un += _count(sn != sn, mask, MASKED)
-            ub += _count(~z_ok, mask, MASKED)
+            code = code | _flag(sn != sn, _B_UPDATE2_NAN) | _flag(~z_ok & (sn == sn), _B_UPDATE2_INF)
             sn = tl.where(z_ok & ~hold, sn, so)
-        un = tl.where(hold, 0, un)  # a held tensor writes nothing, so it counts no update
-        ub = tl.where(hold, 0, ub)
         y = tl.where(keep_all, po, y)  # "skip": the tensor had a bad entry; counted, nothing written
         vn = tl.where(keep_all, vo, vn)
         sn = tl.where(keep_all, so, sn)
     _store(p_ptr, idx, y, mask, TY, EMULATE, MASKED)
     _store(v_ptr, idx, vn, mask, TY, EMULATE, MASKED)
     _store(s_ptr, idx, sn, mask, TY, EMULATE, MASKED)
-    return gn, gb, ov, un, ub
+    total = tl.zeros((), dtype=tl.int64)
+    if GATE:
+        total = _packed_counts(code, mask, MASKED)
+        total = tl.where(hold, total & _BEFORE_UPDATE, total)  # a held tensor counts no update
+    return total
 
 
 @triton.jit
@@ -261,18 +260,13 @@ def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, 
     keep_all = (flags & 2) != 0
     idx = tl.arange(0, BLOCK)
     if rem >= BLOCK:
-        gn, gb, ov, un, ub = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s,
-                                           hold, keep_all, TY, SF, GATE, DECAY_Z, EMULATE, False)
+        total = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all,
+                              TY, SF, GATE, DECAY_Z, EMULATE, False)
     else:
-        gn, gb, ov, un, ub = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s,
-                                           hold, keep_all, TY, SF, GATE, DECAY_Z, EMULATE, True)
+        total = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all,
+                              TY, SF, GATE, DECAY_Z, EMULATE, True)
     if GATE:
-        row = DENSE + sel * _ROW
-        _add_count(row, _GRAD_NAN, gn)
-        _add_count(row, _GRAD_INF, gb - gn)
-        _add_count(row, _MOMENT_INF, ov)
-        _add_count(row, _UPDATE_NAN, un)
-        _add_count(row, _UPDATE_INF, ub - un)
+        _add_packed(DENSE + sel * _ROW, total)
 
 
 def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str, decay_z: bool,
