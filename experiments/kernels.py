@@ -13,7 +13,8 @@ principles"):
 * the fused AdamW / momentum kernels: achieved bandwidth (bytes each step must move / time) against the copy
   bandwidth, next to the torch reference and ``torch.optim.AdamW(fused=True)``;
 * the optimizer-level fused step, ``AdamW(impl="fused")`` on the multi-tensor kernels, "repair" and "off",
-  against ``torch.optim.AdamW(fused=True)`` on the same tensors.
+  against ``torch.optim.AdamW(fused=True)`` on the same tensors, with each arm's GPU time by kernel, and
+  the same step at a few launch shapes (``experiments/kernels_step.py``).
 
 Without CUDA it prints why and exits 0 without writing. ``--dry-run`` runs the same code on CPU under the
 Triton interpreter with tiny shapes (so CI tests the script); its timings mean nothing and it writes JSON
@@ -33,6 +34,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, device_time_per_step,
+                                      render_fused_step, render_sweep)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "results" / "kernels.json"
@@ -209,63 +213,6 @@ def bench_elementwise(timer, device, numel: int, log) -> dict[str, Any]:
     return out
 
 
-def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[str, Any]:
-    """The optimizer-level fused step (``AdamW(impl="fused")``: the multi-tensor Triton kernels of
-    ``kernels/scalar_step.py``) on ``tensors`` equal fp32 tensors, "repair" (spike guard on: its statistics
-    pass reads g once more, 32 bytes per entry) and "off" (28), against ``torch.optim.AdamW(fused=True)``."""
-    import nonans_optim as no
-
-    torch.manual_seed(0)
-    size = max(numel // tensors, 1)
-    out: dict[str, Any] = {"numel": size * tensors, "tensors": tensors, "dtype": "fp32"}
-    before = os.environ.get("NONANS_FUSED_BACKEND")
-    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
-    try:
-        for name, make in (("repair", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused")),
-                           ("off", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused", resolution="off")),
-                           ("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=device.type == "cuda"))):
-            params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
-            for q in params:
-                q.grad = torch.randn_like(q) * 1e-2
-            opt = make(params)
-            out[f"{name}_ms"] = timer(opt.step)
-            if device.type == "cuda":
-                out.setdefault("device_us", {})[name] = device_time_per_step(opt.step)
-    finally:
-        if before is None:
-            os.environ.pop("NONANS_FUSED_BACKEND")
-        else:
-            os.environ["NONANS_FUSED_BACKEND"] = before
-    for name, nbytes in (("repair", 32), ("off", 28), ("torch_fused", 28)):
-        out[f"{name}_gbps"] = nbytes * out["numel"] / (out[f"{name}_ms"] * 1e-3) / 1e9
-    out["repair_vs_off"] = out["repair_ms"] / out["off_ms"]
-    out["repair_vs_torch_fused"] = out["repair_ms"] / out["torch_fused_ms"]
-    log(f"  AdamW(impl='fused') x{tensors} tensors: repair {out['repair_ms']:.3f} ms "
-        f"({out['repair_gbps']:.0f} GB/s), off {out['off_ms']:.3f} ms, torch fused {out['torch_fused_ms']:.3f} ms")
-    return out
-
-
-def device_time_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
-    """{kernel name: GPU µs per step} of ``steps`` calls (torch.profiler), and "total". Beside the timer's
-    wall time per step it says whether a step is bound by the GPU (total ≈ the time) or by the host issuing
-    it (total well under it) — which decides whether "repair"'s extra cost is its kernels or their launch."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    per: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None)
-        us = ev.cuda_time_total if us is None else us
-        if us:
-            per[ev.key] = per.get(ev.key, 0.0) + us / steps
-    per["total"] = sum(per.values())
-    return per
-
-
 def check_targets(rows: list[dict]) -> dict[str, Any]:
     """The H100 targets of the kernels brief, evaluated on whatever shapes were run (None = not run)."""
     by = {(r["batch"], r["m"], r["n"]): r for r in rows}
@@ -301,16 +248,15 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
     fused_step = bench_fused_step(timer, device, 4096 if dry_run else 1 << 26, log)
     for arm in ("repair", "off", "torch_fused"):
         fused_step[f"{arm}_fraction_of_copy"] = fused_step[f"{arm}_gbps"] * 1e9 / bandwidth
+    sweep = bench_block_sweep(timer, device, 4096 if dry_run else 1 << 26, log,
+                              None if dry_run else device_time_per_step)
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
             "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows), "fp16_safe": fp16_safe,
-            "elementwise": elementwise, "fused_step": fused_step, "targets": check_targets(rows)}
-
-
-def _ms(x) -> str:
-    return "—" if x is None else f"{x:.3f}"
+            "elementwise": elementwise, "fused_step": fused_step, "block_sweep": sweep,
+            "targets": check_targets(rows)}
 
 
 def render(data: dict[str, Any]) -> str:
@@ -358,22 +304,7 @@ def render(data: dict[str, Any]) -> str:
               f"{e['adamw_repair_gbps']:.0f} | {e['adamw_repair_fraction_of_copy']:.2f} |",
               f"| momentum_update_ repair | {_ms(e['momentum_repair_ms'])} | {e['momentum_repair_gbps']:.0f} | "
               f"{e['momentum_fraction_of_copy']:.2f} |"]
-    if f:
-        for arm, label in (("repair", 'AdamW(impl="fused") repair'), ("off", 'AdamW(impl="fused") off'),
-                           ("torch_fused", "torch.optim.AdamW(fused=True)")):
-            lines.append(f"| {label}, {f['tensors']} tensors, {f['numel']:,} entries | {_ms(f[arm + '_ms'])} | "
-                         f"{f[arm + '_gbps']:.0f} | {f[arm + '_fraction_of_copy']:.2f} |")
-        lines.append(f"\nAdamW(impl=\"fused\") repair / off: {f['repair_vs_off']:.3f}; repair / torch fused: "
-                     f"{f['repair_vs_torch_fused']:.3f}. Target: the fused elementwise kernel at ≥ 0.80 of the copy "
-                     "bandwidth.")
-        if f.get("device_us"):
-            lines.append("\nGPU time per step of those arms (torch.profiler, 5 steps), by kernel, against the wall "
-                         "time above — a total well under it means the step waits on the host issuing it:\n")
-            lines += ["| arm | wall µs | GPU µs total | kernels (µs) |", "|---|---|---|---|"]
-            for arm, per in f["device_us"].items():
-                top = sorted(((k, v) for k, v in per.items() if k != "total"), key=lambda kv: -kv[1])[:5]
-                lines.append(f"| {arm} | {f[arm + '_ms'] * 1e3:.0f} | {per['total']:.0f} | "
-                             + ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top) + " |")
+    lines += render_fused_step(f) + render_sweep(data.get("block_sweep") or [])
     return "\n".join(lines)
 
 

@@ -264,6 +264,11 @@ if INTERPRETED:
                               "off": {"_update_kernel": 380.0, "total": 380.0}}
         text = bench.render(data)
         assert "| repair | " in text and "| 409 | `_update_kernel` 400, `_stats_kernel` 9 |" in text
+        # the launch-shape sweep ran every shape, each arm timed (GPU µs only from a CUDA run), and renders
+        from experiments.kernels_step import CONFIGS
+        assert [(r["block"], r["warps"]) for r in data["block_sweep"]] == list(CONFIGS)
+        assert all(r["repair_ms"] > 0 and r["off_ms"] > 0 and "repair_device_us" not in r for r in data["block_sweep"])
+        assert "| 1024 × 4 | " in text and "| — | — |" in text
         with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
             bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
         assert not (tmp_path / "R.md").exists()

@@ -1,0 +1,163 @@
+"""The optimizer-level fused (SF-)AdamW step on a GPU — part of ``python -m experiments kernels``:
+``AdamW(impl="fused")`` (the multi-tensor Triton kernels) under "repair" and "off" against
+``torch.optim.AdamW(fused=True)``, each arm's GPU time by kernel, and the same step at a few launch shapes.
+
+Why the launch shapes: on an H200 (2026-11-26, RESULTS.md "kernels") ``AdamW(impl="fused")`` took about
+twice as long under "repair" as under "off" on large tensors, and a gpt2-small training step took longer by
+about its whole optimizer step ("overhead-gpu-gpt2-small"), while the one-tensor ``fused_adamw_`` repair
+kernel streams at copy bandwidth. Compiled for sm_90, the gated update variant needs far more registers per
+thread than "off" (``kernels/_multi.py``, "packed counts"), so at the one launch shape every elementwise
+kernel shares (``kernels/_elementwise.py::elementwise_block``, 2048 entries x 8 warps) fewer of its blocks
+fit on an SM. This sweep times the optimizer step at a few shapes, each arm's wall time beside its GPU time
+by kernel (torch.profiler), so one GPU run can choose the shape from data.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["CONFIGS", "bench_fused_step", "device_time_per_step", "render_fused_step", "bench_block_sweep",
+           "render_sweep"]
+
+# (entries per block, warps): a block's counts are packed in fields sized for <= 2048 entries (_PACK_BLOCK)
+CONFIGS = ((2048, 8), (2048, 4), (1024, 8), (1024, 4), (512, 4))
+
+
+def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[str, Any]:
+    """The optimizer-level fused step (``AdamW(impl="fused")``: the multi-tensor Triton kernels of
+    ``kernels/scalar_step.py``) on ``tensors`` equal fp32 tensors, "repair" (spike guard on: its statistics
+    pass reads g once more, 32 bytes per entry) and "off" (28), against ``torch.optim.AdamW(fused=True)``."""
+    import nonans_optim as no
+
+    torch.manual_seed(0)
+    size = max(numel // tensors, 1)
+    out: dict[str, Any] = {"numel": size * tensors, "tensors": tensors, "dtype": "fp32"}
+    before = os.environ.get("NONANS_FUSED_BACKEND")
+    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
+    try:
+        for name, make in (("repair", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused")),
+                           ("off", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused", resolution="off")),
+                           ("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=device.type == "cuda"))):
+            params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
+            for q in params:
+                q.grad = torch.randn_like(q) * 1e-2
+            opt = make(params)
+            out[f"{name}_ms"] = timer(opt.step)
+            if device.type == "cuda":
+                out.setdefault("device_us", {})[name] = device_time_per_step(opt.step)
+    finally:
+        if before is None:
+            os.environ.pop("NONANS_FUSED_BACKEND")
+        else:
+            os.environ["NONANS_FUSED_BACKEND"] = before
+    for name, nbytes in (("repair", 32), ("off", 28), ("torch_fused", 28)):
+        out[f"{name}_gbps"] = nbytes * out["numel"] / (out[f"{name}_ms"] * 1e-3) / 1e9
+    out["repair_vs_off"] = out["repair_ms"] / out["off_ms"]
+    out["repair_vs_torch_fused"] = out["repair_ms"] / out["torch_fused_ms"]
+    log(f"  AdamW(impl='fused') x{tensors} tensors: repair {out['repair_ms']:.3f} ms "
+        f"({out['repair_gbps']:.0f} GB/s), off {out['off_ms']:.3f} ms, torch fused {out['torch_fused_ms']:.3f} ms")
+    return out
+
+
+def device_time_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
+    """{kernel name: GPU µs per step} of ``steps`` calls (torch.profiler), and "total". Beside the timer's
+    wall time per step it says whether a step is bound by the GPU (total ≈ the time) or by the host issuing
+    it (total well under it) — which decides whether "repair"'s extra cost is its kernels or their launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        us = ev.cuda_time_total if us is None else us
+        if us:
+            per[ev.key] = per.get(ev.key, 0.0) + us / steps
+    per["total"] = sum(per.values())
+    return per
+
+
+def _ms(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def render_fused_step(f: dict[str, Any] | None) -> list[str]:
+    """The fused step's rows of the kernels section's elementwise table, its ratios and its GPU breakdown."""
+    lines: list[str] = []
+    if not f:
+        return lines
+    for arm, label in (("repair", 'AdamW(impl="fused") repair'), ("off", 'AdamW(impl="fused") off'),
+                       ("torch_fused", "torch.optim.AdamW(fused=True)")):
+        lines.append(f"| {label}, {f['tensors']} tensors, {f['numel']:,} entries | {_ms(f[arm + '_ms'])} | "
+                     f"{f[arm + '_gbps']:.0f} | {f[arm + '_fraction_of_copy']:.2f} |")
+    lines.append(f"\nAdamW(impl=\"fused\") repair / off: {f['repair_vs_off']:.3f}; repair / torch fused: "
+                 f"{f['repair_vs_torch_fused']:.3f}. Target: the fused elementwise kernel at ≥ 0.80 of the copy "
+                 "bandwidth.")
+    if f.get("device_us"):
+        lines.append("\nGPU time per step of those arms (torch.profiler, 5 steps), by kernel, against the wall "
+                     "time above — a total well under it means the step waits on the host issuing it:\n")
+        lines += ["| arm | wall µs | GPU µs total | kernels (µs) |", "|---|---|---|---|"]
+        for arm, per in f["device_us"].items():
+            top = sorted(((k, v) for k, v in per.items() if k != "total"), key=lambda kv: -kv[1])[:5]
+            lines.append(f"| {arm} | {f[arm + '_ms'] * 1e3:.0f} | {per['total']:.0f} | "
+                         + ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top) + " |")
+    return lines
+
+
+def bench_block_sweep(timer: Callable, device: torch.device, numel: int, log: Callable,
+                      profile: Callable | None = None, tensors: int = 8, configs=CONFIGS) -> list[dict[str, Any]]:
+    """Per launch shape: ``AdamW(impl="fused")`` on ``tensors`` equal fp32 tensors, "repair" and "off" — the
+    timer's ms per step and, with ``profile`` (``kernels.device_time_per_step``), GPU µs per step."""
+    import nonans_optim as no
+    from nonans_optim.kernels import scalar_step
+
+    size = max(numel // tensors, 1)
+    real = scalar_step.elementwise_block
+    before = os.environ.get("NONANS_FUSED_BACKEND")
+    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
+    rows = []
+    try:
+        for block, warps in configs:
+            scalar_step.elementwise_block = lambda b=block, w=warps: (b, w)  # stats, decide and update alike
+            row: dict[str, Any] = {"block": block, "warps": warps, "numel": size * tensors, "tensors": tensors}
+            for policy in ("repair", "off"):
+                torch.manual_seed(0)
+                params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
+                for q in params:
+                    q.grad = torch.randn_like(q) * 1e-2
+                opt = no.AdamW(params, lr=1e-3, impl="fused", resolution=policy)
+                row[f"{policy}_ms"] = timer(opt.step)
+                if profile is not None:
+                    row[f"{policy}_device_us"] = profile(opt.step)["total"]
+            row["repair_vs_off"] = row["repair_ms"] / row["off_ms"]
+            log(f"  AdamW(impl='fused') block {block} x {warps} warps: repair {row['repair_ms']:.3f} ms, "
+                f"off {row['off_ms']:.3f} ms ({row['repair_vs_off']:.2f}x)")
+            rows.append(row)
+    finally:
+        scalar_step.elementwise_block = real
+        if before is None:
+            os.environ.pop("NONANS_FUSED_BACKEND")
+        else:
+            os.environ["NONANS_FUSED_BACKEND"] = before
+    return rows
+
+
+def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
+    """The sweep's table for the kernels section (lines; none without rows)."""
+    if not rows:
+        return []
+    r0 = rows[0]
+    lines = [f"\nLaunch shape of the fused AdamW step (`experiments/kernels_step.py`; {r0['tensors']} fp32 tensors, "
+             f"{r0['numel']:,} entries; the default shape is the first row; GPU µs from torch.profiler):\n",
+             "| entries per block × warps | repair ms | off ms | repair / off | GPU µs repair | GPU µs off |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        gpu = [f"{r[k]:.0f}" if r.get(k) is not None else "—" for k in ("repair_device_us", "off_device_us")]
+        lines.append(f"| {r['block']} × {r['warps']} | {r['repair_ms']:.3f} | {r['off_ms']:.3f} | "
+                     f"{r['repair_vs_off']:.2f} | {gpu[0]} | {gpu[1]} |")
+    return lines
