@@ -9,7 +9,7 @@ import torch
 
 import nonans_optim as no
 from nonans_optim import native
-from nonans_optim.optimizers import _fused_spectral, _spectral
+from nonans_optim.optimizers import _fused_spectral, _kl_stacks, _spectral
 from optim_infos import assert_params_and_state_close, event_tuples, same_tree
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
@@ -75,6 +75,41 @@ def test_faults_spike_and_hold_match_loop(momentum_dtype, cls):
     assert event_tuples(got_opt) == event_tuples(ref_opt)
     r, g = ref_opt._global()["resolution"], got_opt._global()["resolution"]
     assert torch.equal(r["escalations"], g["escalations"]) and g["escalations"].sum() > 0
+
+
+@pytest.fixture
+def kl_batched(monkeypatch):
+    """KL-Shampoo's batched form (what the fused step runs on CUDA) on these CPU tests, with a count of the
+    stacks it ran, so a test can tell it was not the one-by-one fallback."""
+    stacks = []
+    real = _kl_stacks._step_stack
+    monkeypatch.setattr(_kl_stacks, "_batch_on", lambda device: True)
+    monkeypatch.setattr(_kl_stacks, "_step_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
+    return stacks
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-stack", "chunks-of-one"])
+def test_kl_batched_matches_loop(kl_batched, chunk_bytes, monkeypatch):
+    """FullFusion's fault sequence (a bad entry and a guard-scaled overflow inside the bucket of two, a
+    whole-tensor NaN held) with KL-Shampoo run as stacks: the loop's values within fp32 tolerance (batched
+    against single matrix products), its events exactly; a bucket cut into chunks agrees too."""
+    if chunk_bytes:
+        monkeypatch.setattr(_kl_stacks, "_BATCH_BYTES", chunk_bytes)
+    kw = dict(ns5_dtype="fp32", cls=no.FullFusion)
+    (ref, ref_opt), (got, got_opt) = _run("loop", **kw), _run("fused", **kw)
+    assert kl_batched and set(kl_batched) == ({1} if chunk_bytes else {2})  # the (64, 200) pair: stacked
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+
+
+def test_kl_batched_skip_keeps_damping_and_mixed_first_steps(kl_batched):
+    """The damping of a "skip" tensor put back inside a stack (here the bypassing tensor shares its stack
+    with a clean one), and buckets whose tensors are at different steps (one by one), both as the loop."""
+    check_skip_keeps_kl_damping("cpu", shapes=[(16, 24), (16, 24), (30, 8)])
+    assert 2 in kl_batched
+    kl_batched.clear()
+    check_tensors_on_different_first_steps("cpu")
+    assert not kl_batched  # its tensors are never at one step together: every bucket went one by one
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e30])

@@ -18,6 +18,7 @@ Pinned down, with a fallback to ``impl="compiled"`` made to fail the test:
   KL-Shampoo, the torch ops between the launches read the decisions on the device);
 * a launch that fails before the first persistent write leaves nothing half-done and falls back;
 * impl="auto" (the default) runs these kernels, bit for bit impl="fused";
+* FullFusion's KL-Shampoo as stacks of same-shape matrices (its CUDA default) against the loop;
 * hostile random draws (``test_differential.py``'s): the invariant and the loop's events;
 * GPU only: no host synchronisation in the step.
 """
@@ -42,11 +43,17 @@ CASES = [(no.SFNorMuon, {}), (no.Muon, {}), (no.Fusion, {"components": ("ns5", "
          (no.FullFusion, {})]
 IDS = ["SFNorMuon", "Muon", "Fusion-ns5-normuon", "Fusion-ns5-sf", "Fusion-mona", "FullFusion"]
 SHAPES = [(12, 300), (12, 300), (90, 20), (33, 17)]  # several blocks; a bucket of two; tall; ragged
+SQUARE = [(24, 24), (24, 24), (20, 20), (24, 24)]  # a bucket of three (0, 1, 3): KL-Shampoo's stacks
 
 
-def _force_triton(monkeypatch):
-    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled"."""
-    from nonans_optim.optimizers import _spectral
+def _force_triton(monkeypatch, kl_batched: bool = False):
+    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled"; KL-Shampoo one
+    matrix at a time unless ``kl_batched`` (its CUDA default stacks a bucket: batched and single matrix
+    products round differently, and a rank-deficient factor's QR basis is then free to differ in its null
+    space — so a comparison with the loop stacks only where the factors have full rank)."""
+    from nonans_optim.optimizers import _kl_stacks, _spectral
+
+    monkeypatch.setattr(_kl_stacks, "_batch_on", lambda device: kl_batched)
 
     def no_fallback(*args, **kwargs):
         raise AssertionError("the Triton spectral path fell back to impl='compiled'")
@@ -55,19 +62,19 @@ def _force_triton(monkeypatch):
     monkeypatch.setattr(_spectral, "compiled_spectral_update", no_fallback)
 
 
-def _run_wide(impl, policy, *, device, steps=5, clean=False, cls=no.SFNorMuon, **kw):
+def _run_wide(impl, policy, *, device, steps=5, clean=False, cls=no.SFNorMuon, shapes=SHAPES, **kw):
     """SF-NorMuon (or ``cls``) on SHAPES (several kernel blocks per matrix, rows wider than a row chunk):
     partial NaN/Inf, a finite momentum overflow, a whole tensor NaN twice (the hold rule) and a finite spike
     (the guard)."""
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(0.1 * torch.randn(s).to(device)) for s in SHAPES]
+    ps = [torch.nn.Parameter(0.1 * torch.randn(s).to(device)) for s in shapes]
     opt = cls([{"params": ps, "path": "spectral"}], lr=1e-2, weight_decay=0.1, impl=impl, resolution=policy, **kw)
     gen = torch.Generator().manual_seed(1)
     for t in range(steps):
         for i, p in enumerate(ps):
             g = torch.randn(p.shape, generator=gen)
             if not clean and t == 1 and i == 0:
-                g[0, 3], g[5, 290] = float("nan"), float("inf")
+                g[0, 3], g[5, -10] = float("nan"), float("inf")
             if not clean and t in (2, 3) and i == 3:
                 g.fill_(float("nan"))
             if not clean and t in (2, 3) and i == 1:  # finite; the buffer's lerp overflows on step 3
@@ -101,6 +108,25 @@ def case_wide_matrices_match_loop(device, policy, factor, cls, monkeypatch):
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
     assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
     assert {"grad", "spike" if factor else "moment"} <= {e[2] for e in event_tuples(got_opt)}
+
+
+def case_kl_batched_matches_loop(device, policy, factor, monkeypatch):
+    """FullFusion's KL-Shampoo as stacks (its default on CUDA) on these kernels, over _run_wide's faults on
+    square matrices (full-rank factors from the first step, so the loop's QR bases are unique): a stack of
+    three takes the guard's device-side scales as one product (the overflow at step 3 is a spike there) and
+    holds a whole-NaN tensor, and still matches the loop; the stacks really ran."""
+    from nonans_optim.optimizers import _kl_stacks
+
+    _force_triton(monkeypatch, kl_batched=True)
+    stacks = []
+    real = _kl_stacks._step_stack
+    monkeypatch.setattr(_kl_stacks, "_step_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
+    kw = dict(device=device, ns5_dtype="fp32", spike_factor=factor, cls=no.FullFusion, shapes=SQUARE)
+    ref, ref_opt = _run_wide("loop", policy, **kw)
+    got, got_opt = _run_wide("fused", policy, **kw)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
+    assert 3 in stacks
 
 
 def case_bf16_buffer_and_ns5_input(device, cls, monkeypatch):
@@ -237,6 +263,11 @@ def _define(device, marks=()):
         case_wide_matrices_match_loop(device, policy, factor, cls, monkeypatch)
 
     @mark
+    @pytest.mark.parametrize("policy, factor", [("repair", 10.0), ("skip", None)])
+    def test_kl_batched_matches_loop(policy, factor, monkeypatch):
+        case_kl_batched_matches_loop(device, policy, factor, monkeypatch)
+
+    @mark
     @pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
     def test_bf16_buffer_and_ns5_input(cls, monkeypatch):
         case_bf16_buffer_and_ns5_input(device, cls, monkeypatch)
@@ -266,7 +297,7 @@ def _define(device, marks=()):
 
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
-            test_launch_failure_falls_back, test_auto_runs_the_triton_kernels)
+            test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop)
 
 
 if INTERPRETED:
@@ -303,7 +334,7 @@ if INTERPRETED:
 
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
      test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
-     test_launch_failure_falls_back, test_auto_runs_the_triton_kernels) = _define("cpu")
+     test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -312,13 +343,15 @@ else:
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
      test_gpu_skip_keeps_kl_damping, test_gpu_tensors_on_different_first_steps, test_gpu_clean_repair_is_off,
-     test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels) = _define("cuda", marks=gpu)
+     test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels,
+     test_gpu_kl_batched_matches_loop) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
     @pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon, no.FullFusion], ids=["SFNorMuon", "Muon", "FullFusion"])
     def test_gpu_fused_spectral_step_never_syncs(cls):
-        params = [torch.randn(300, 70, device="cuda", requires_grad=True),
+        params = [torch.randn(300, 70, device="cuda", requires_grad=True),  # (a same-shape pair: FullFusion's
+                  torch.randn(64, 64, device="cuda", requires_grad=True),  # KL-Shampoo runs it as a stack)
                   torch.randn(64, 64, device="cuda", requires_grad=True)]
         from test_kernels_scalar_step import steps_never_sync
 

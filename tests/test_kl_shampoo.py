@@ -450,3 +450,38 @@ def test_no_host_sync_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(P).all() and not bypassed and not bad
+
+
+@pytest.mark.parametrize("step", [1, 2, 10])  # the first step, a coupled update, one with a basis refresh
+def test_batched_form_is_the_per_matrix_form(step):
+    """A stack of three states through the batched form: each matrix's new state, its preconditioned M and
+    its flags those of the per-matrix calls (up to batched-product rounding) — with a missing observation
+    (ok False: that matrix's state bit for bit unchanged), a bypass (an infinite eigenvalue: that matrix's
+    preconditioner bypassed, its update's candidate not finite) and an internal overflow (a huge finite G)
+    in the stack. Square at the first step: a rank-deficient factor's QR basis is arbitrary in its null
+    space, and batched and single QR need not pick the same one there."""
+    torch.manual_seed(0)
+    m, n, B = (5, 5, 4) if step == 1 else (6, 4, 4)
+    states = [kl_shampoo_init_state((m, n), "cpu") for _ in range(B)]
+    for st_ in states:  # a few clean steps first, so the factors and bases are not trivial
+        for s in range(1, step):
+            kl_shampoo_update_(st_, torch.randn(m, n), torch.tensor(True), s, refresh_every=10)
+    states[2]["kl_eigvals_left"][1] = float("inf")  # its preconditioner bypasses
+    G, M = torch.randn(B, m, n), torch.randn(B, m, n)
+    G[3, 0, 0] = 3e38  # finite: the update overflows inside (from step 2; step 1's G Gᵀ overflows too)
+    ok = torch.tensor([True, False, True, True])
+    loop = [{k: v.clone() for k, v in st_.items()} for st_ in states]
+    stacked = {k: torch.stack([st_[k] for st_ in states]) for k in STATE_KEYS}
+    P, bypassed = kl_shampoo_precondition(stacked, M)
+    internal = kl_shampoo_update_(stacked, G, ok, step, refresh_every=10)
+    for b in range(B):
+        P_b, bypassed_b = kl_shampoo_precondition(loop[b], M[b])
+        internal_b = kl_shampoo_update_(loop[b], G[b], ok[b], step, refresh_every=10)
+        torch.testing.assert_close(P[b], P_b, rtol=1e-5, atol=1e-6)
+        assert bool(bypassed[b]) == bool(bypassed_b) and bool(internal[b]) == bool(internal_b)
+        for k in STATE_KEYS:
+            torch.testing.assert_close(stacked[k][b], loop[b][k], rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert bypassed.tolist() == [False, False, True, False] and internal.tolist() == [False, False, True, True]
+    for k in STATE_KEYS:  # the missing observation: untouched, bit for bit
+        if k != "kl_damping":
+            assert torch.equal(stacked[k][1], states[1][k]), k

@@ -45,6 +45,12 @@ absorb the current gradient with ``kl_shampoo_update_`` — the projection never
 On a fresh state every eigenvalue equals ``init_factor`` and the bases are the identity, so the
 preconditioner is M / init_factor up to rounding (a pure scale, harmless before NS5).
 
+Batched form: ``kl_shampoo_update_`` and ``kl_shampoo_precondition`` also take a stack — every state tensor
+and G (or M) with a leading dimension B, ``ok`` and the damping (B,), one step for the stack — and return
+(B,) flags: the same arithmetic per matrix, in one launch per op for the stack (what the fused step runs on
+CUDA, where KL-Shampoo's ~100 small ops per matrix are the host's time: ``optimizers/_kl_stacks.py``).
+Up to the rounding of batched against single matrix products it is the loop's result.
+
 No host syncs by construction: Python branches only on ``step``; flags stay 0-d device tensors. Whether
 CUDA ``torch.linalg.qr`` itself is sync-free is checked by the gpu-marked test in
 tests/test_kl_shampoo.py (not yet run on a GPU).
@@ -85,6 +91,8 @@ def inverse_root(eigvals: torch.Tensor, damping: torch.Tensor, cap: float) -> to
     propagates (``torch.maximum`` keeps NaN) and +Inf gives s = 0, so the caller can detect a corrupt
     state from s instead of silently losing directions."""
     ratio = torch.clamp(damping.to(eigvals.dtype), min=1.0 / (cap * cap))
+    if ratio.ndim:  # a stack's (B,) dampings against its (B, k) eigenvalues
+        ratio = ratio.unsqueeze(-1)
     d_max = eigvals.amax(dim=-1, keepdim=True)
     d_eff = torch.maximum(eigvals, d_max * ratio).clamp_min(ABS_EIG_FLOOR)
     return torch.rsqrt(d_eff)
@@ -103,8 +111,9 @@ def refresh_basis(S: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr((S / scale) @ Q.float()).Q
 
 
-def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """0-d bool: every entry of every tensor is finite (device-side, no sync).
+def _all_finite(*tensors: torch.Tensor, batch: bool = False) -> torch.Tensor:
+    """0-d bool: every entry of every tensor is finite (device-side, no sync); with ``batch``, a (B,) bool
+    per leading index of tensors stacked along dim 0.
 
     Why ``aminmax`` and not ``isfinite(t).all()``: min and max propagate NaN, and a ±Inf entry is the
     minimum or the maximum, so "min > -inf and max < inf" is the same verdict from one read-only
@@ -114,11 +123,17 @@ def _all_finite(*tensors: torch.Tensor) -> torch.Tensor:
     for t in tensors:
         if t.numel() == 0:
             continue
-        lo, hi = torch.aminmax(t)
+        lo, hi = torch.aminmax(t.flatten(1), dim=-1) if batch else torch.aminmax(t)
         flags.append((lo > float("-inf")) & (hi < float("inf")))
     if not flags:
-        return torch.ones((), dtype=torch.bool, device=tensors[0].device)
-    return torch.stack(flags).all()
+        shape = (tensors[0].shape[0],) if batch else ()
+        return torch.ones(shape, dtype=torch.bool, device=tensors[0].device)
+    return torch.stack(flags).all(0) if batch else torch.stack(flags).all()
+
+
+def _widen(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A stack's (B,) per-matrix flags as (B, 1[, 1]) against ``like`` (B, k[, l]); a 0-d flag as it is."""
+    return flag.reshape(flag.shape + (1,) * (like.ndim - flag.ndim)) if flag.ndim else flag
 
 
 def kl_shampoo_init_state(shape: tuple[int, int], device, *,
@@ -151,20 +166,21 @@ def _coupled_candidate(state: dict, G: torch.Tensor, beta: float):
     (and symmetrically for the right). Five matmuls: 2m²n + 3mn² multiply-adds for m ≥ n, 3m²n + 2mn² for
     m < n — H is Q_aᵀ G Q_b either way, formed from A or from B, whichever product is cheaper (for a
     256×1024 MLP projection a fifth of the update's multiply-adds)."""
-    m, n = G.shape
+    m, n = G.shape[-2:]
     Q_a, Q_b = state["kl_basis_left"], state["kl_basis_right"]
     damping = state["kl_damping"]
-    s_a = inverse_root(state["kl_eigvals_left"], damping, amplification_cap(m))
-    s_b = inverse_root(state["kl_eigvals_right"], damping, amplification_cap(n))
+    s_a = inverse_root(state["kl_eigvals_left"], damping, amplification_cap(m)).unsqueeze(-1)  # a column
+    s_b = inverse_root(state["kl_eigvals_right"], damping, amplification_cap(n)).unsqueeze(-2)  # a row
     A = Q_a.mT @ G            # Q_aᵀ G
     B = G @ Q_b               # G Q_b
     H = A @ Q_b if m >= n else Q_a.mT @ B  # Q_aᵀ G Q_b, from whichever product is cheaper (mn² vs m²n)
     W = B * s_b               # G Q_b D_b^{-1/2}
-    V = A * s_a[:, None]      # D_a^{-1/2} Q_aᵀ G
-    S_a = torch.addmm(state["kl_factor_left"], W, W.mT, beta=beta, alpha=(1.0 - beta) / n)
-    S_b = torch.addmm(state["kl_factor_right"], V.mT, V, beta=beta, alpha=(1.0 - beta) / m)
+    V = A * s_a               # D_a^{-1/2} Q_aᵀ G
+    addmm = torch.baddbmm if G.ndim == 3 else torch.addmm  # (a stack of matrices: one batched product)
+    S_a = addmm(state["kl_factor_left"], W, W.mT, beta=beta, alpha=(1.0 - beta) / n)
+    S_b = addmm(state["kl_factor_right"], V.mT, V, beta=beta, alpha=(1.0 - beta) / m)
     D_a = state["kl_eigvals_left"].lerp((H * s_b).square().mean(dim=-1), 1.0 - beta)
-    D_b = state["kl_eigvals_right"].lerp((H * s_a[:, None]).square().mean(dim=-2), 1.0 - beta)
+    D_b = state["kl_eigvals_right"].lerp((H * s_a).square().mean(dim=-2), 1.0 - beta)
     return S_a, S_b, D_a, D_b
 
 
@@ -192,11 +208,12 @@ def kl_shampoo_update_(state: dict, G: torch.Tensor, ok: torch.Tensor, step: int
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     S_a_old, S_b_old = state["kl_factor_left"], state["kl_factor_right"]
-    if G.ndim != 2 or G.shape != (S_a_old.shape[0], S_b_old.shape[0]):
+    if G.ndim != S_a_old.ndim or G.shape[:-1] != S_a_old.shape[:-1] or G.shape[-1] != S_b_old.shape[-1]:
         raise ValueError(f"G has shape {tuple(G.shape)}, state is for "
-                         f"{(S_a_old.shape[0], S_b_old.shape[0])}")
+                         f"{(*S_a_old.shape[:-1], S_b_old.shape[-1])}")
+    batch = G.ndim == 3
     G = G.float()
-    m, n = G.shape
+    m, n = G.shape[-2:]
     D_a_old, D_b_old = state["kl_eigvals_left"], state["kl_eigvals_right"]
 
     if step == 1:
@@ -208,18 +225,19 @@ def kl_shampoo_update_(state: dict, G: torch.Tensor, ok: torch.Tensor, step: int
         S_a, S_b, D_a, D_b = _coupled_candidate(state, G, beta)
         refresh = step % refresh_every == 0
 
-    finite = _all_finite(S_a, S_b, D_a, D_b)
+    finite = _all_finite(S_a, S_b, D_a, D_b, batch=batch)
     good = ok & finite
     # Select straight into the state (an elementwise op may write over the input it reads at the same
-    # index): one pass per tensor instead of a select into a temporary and a copy.
+    # index): one pass per tensor instead of a select into a temporary and a copy. (A stack's (B,) flags
+    # are widened to its matrices and vectors; a 0-d flag broadcasts as it is.)
     for new, old in ((S_a, S_a_old), (S_b, S_b_old), (D_a, D_a_old), (D_b, D_b_old)):
-        torch.where(good, new, old, out=old)
+        torch.where(_widen(good, old), new, old, out=old)
     if refresh:
         Q_a_old, Q_b_old = state["kl_basis_left"], state["kl_basis_right"]
         Q_a, Q_b = refresh_basis(S_a_old, Q_a_old), refresh_basis(S_b_old, Q_b_old)
-        q_finite = _all_finite(Q_a, Q_b)
+        q_finite = _all_finite(Q_a, Q_b, batch=batch)
         finite = finite & q_finite
-        q_good = good & q_finite
+        q_good = _widen(good & q_finite, Q_a_old)
         torch.where(q_good, Q_a, Q_a_old, out=Q_a_old)
         torch.where(q_good, Q_b, Q_b_old, out=Q_b_old)
     return ok & ~finite
@@ -235,18 +253,17 @@ def kl_shampoo_precondition(state: dict, M: torch.Tensor) -> tuple[torch.Tensor,
     give s = 0: a silently zeroed direction). Otherwise P = M (bypass: the step continues unpreconditioned),
     ``bypassed`` is True and ``state['kl_damping']`` grows ×10 up to ``MAX_DAMPING``. A non-finite M is
     returned as is (the caller's resolution stage keeps M finite)."""
-    if M.ndim != 2 or M.shape != (state["kl_basis_left"].shape[0], state["kl_basis_right"].shape[0]):
-        raise ValueError(f"M has shape {tuple(M.shape)}, state is for "
-                         f"{(state['kl_basis_left'].shape[0], state['kl_basis_right'].shape[0])}")
-    m, n = M.shape
     Q_a, Q_b = state["kl_basis_left"], state["kl_basis_right"]
+    if M.ndim != Q_a.ndim or M.shape[:-1] != Q_a.shape[:-1] or M.shape[-1] != Q_b.shape[-1]:
+        raise ValueError(f"M has shape {tuple(M.shape)}, state is for {(*Q_a.shape[:-1], Q_b.shape[-1])}")
+    m, n = M.shape[-2:]
     damping = state["kl_damping"]
     s_a = inverse_root(state["kl_eigvals_left"], damping, amplification_cap(m))
     s_b = inverse_root(state["kl_eigvals_right"], damping, amplification_cap(n))
-    H = (Q_a.mT @ M.float() @ Q_b) * s_a[:, None]
-    P = (Q_a @ (H * s_b) @ Q_b.mT).to(M.dtype)
-    roots_ok = ((s_a > 0) & (s_a < float("inf"))).all() & ((s_b > 0) & (s_b < float("inf"))).all()
-    valid = _all_finite(P) & roots_ok
+    H = (Q_a.mT @ M.float() @ Q_b) * s_a.unsqueeze(-1)
+    P = (Q_a @ (H * s_b.unsqueeze(-2)) @ Q_b.mT).to(M.dtype)
+    roots_ok = ((s_a > 0) & (s_a < float("inf"))).all(-1) & ((s_b > 0) & (s_b < float("inf"))).all(-1)
+    valid = _all_finite(P, batch=M.ndim == 3) & roots_ok
     bypassed = ~valid
     damping.copy_(torch.where(bypassed, (damping * DAMPING_GROWTH).clamp(max=MAX_DAMPING), damping))
-    return torch.where(valid, P, M), bypassed
+    return torch.where(_widen(valid, M), P, M), bypassed
