@@ -27,9 +27,11 @@ __all__ = ["precondition_stacks"]
 Flag = torch.Tensor | bool
 
 
-# A stack of one bucket's factors, at most this many bytes (its right factors, say 11008² fp32 for a 4096×11008
-# projection, are half a GiB each: a bucket is cut into chunks, each one batched call).
-_BATCH_BYTES = 1 << 30
+# A stack of one bucket's factors, at most this many bytes: the call holds the stacked state, its new
+# candidates and the basis refresh's products at once, a few times this on top of the optimizer's own state,
+# so a bucket is cut into chunks (one batched call each). gpt2-small's MLP bucket (768×3072: 40 MB of factors
+# a matrix) fits whole; a 4096×11008 projection (550 MB) goes one matrix at a time.
+_BATCH_BYTES = 1 << 29
 
 
 def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], buckets, params, grads, states,
