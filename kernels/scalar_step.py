@@ -1,4 +1,5 @@
-"""The whole (SF-)AdamW + resolution step of a parameter group as three multi-tensor Triton launches.
+"""The whole (SF-)AdamW + resolution step of a parameter group as multi-tensor Triton launches (the update;
+under a resolution policy first the decisions, one or two launches).
 
 ``fused_adamw.py`` is one tensor's AdamW with detection and repair; this module is what ``impl="fused"``
 runs on CUDA: every tensor of a group in one launch per pass (a launch per tensor would cost more host time
@@ -10,11 +11,12 @@ group function, run eagerly — is the test oracle with the same signature.
 
 Launches (no host synchronisation: every decision is read from device memory by the next launch):
 
-1. ``_stats_kernel`` (not under "off"): per block, the gradient's sum of squares and non-finite count.
-   A decision that must precede any write needs them — the spike guard the norm, "skip" whether any
-   entry is bad, the hold rule whether every entry is. One read of g: 4 of the 32 bytes per fp32 entry —
-   except under "repair" without the guard, where only a tensor that can be held (a recent event, and a
-   non-finite first entry) is read: a clean step pays the launch, not the bytes.
+1. ``_stats_kernel`` (under "skip", and "repair" with the spike guard): per block, the gradient's sum of
+   squares and non-finite count. A decision that must precede any write needs them — the spike guard the
+   norm, "skip" whether any entry is bad, the hold rule whether every entry is. One read of g: 4 of the 32
+   bytes per fp32 entry. Under "repair" without the guard (the AdamW family's default) it is not launched:
+   the decide kernel reads only a tensor that can be held (a recent event, and a non-finite first entry),
+   so a clean step pays one launch for the decisions, not two, and no program per block.
 2. ``_decide_kernel``, one program per tensor: adds its blocks' partials *in block order* (so the norm,
    and a triggered guard's scale, do not depend on scheduling), then the guard's scale and new EMA, the
    spike flag, and the hold / keep-all flags — into scratch only: the update kernel commits the EMA and
@@ -74,57 +76,65 @@ def _recent(RECENT, STREAK, EVENTS, sel, window, RULE: tl.constexpr, S: tl.const
 
 
 @triton.jit
-def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, SEL, RECENT, STREAK, EVENTS, window,
-                  TY: tl.constexpr, ALIGNED: tl.constexpr, LAZY: tl.constexpr, RULE: tl.constexpr,
-                  S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, SS, BAD, TY: tl.constexpr, ALIGNED: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """SS[pid] = Σ g² over the finite entries (float64: finite for any finite entries; the guard's norm is
     of the finite part, see functional/spike.py) and BAD[pid] = #non-finite g over this program's block.
-
-    LAZY ("repair" without the spike guard, where the statistics only serve the hold rule — every entry
-    bad on a parameter with a recent event): a block is read only when its tensor has a recent event and
-    a non-finite first entry; any other block reports 0 and 0, which decides the same (a tensor with one
-    finite entry is not held). So a clean step reads g once, in the update, not twice: 4 of the 32 bytes
-    per fp32 entry that this pass would cost a memory-bound step (the C loop's own rule, scalar_step.c)."""
+    (Not launched under "repair" without the guard: :func:`_decide_kernel`'s LAZY.)"""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
-    need = rem > 0
-    if LAZY:
-        first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)
-        need = _recent(RECENT, STREAK, EVENTS, tl.load(SEL + t), window, RULE, S, S_PAD, LOSS) & ~_finite(first)
-    ss = tl.zeros((), dtype=tl.float64)
-    nbad = tl.zeros((), dtype=tl.int32)
-    if need:
-        idx = tl.arange(0, BLOCK)
-        if rem >= BLOCK:
-            g = _load(g_ptr, idx, idx < rem, False)
-        else:
-            g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
-        ok = _finite(g)
-        g64 = tl.where(ok, g, 0.0).to(tl.float64)
-        ss = tl.sum(g64 * g64, axis=0)
-        nbad = tl.sum((~ok).to(tl.int32), axis=0)
-    tl.store(SS + pid, ss)
-    tl.store(BAD + pid, nbad)
+    idx = tl.arange(0, BLOCK)
+    if rem >= BLOCK:
+        g = _load(g_ptr, idx, idx < rem, False)
+    else:
+        g = _load(g_ptr, idx, idx < rem, True)  # masked entries read 0: finite, no square
+    ok = _finite(g)
+    g64 = tl.where(ok, g, 0.0).to(tl.float64)
+    tl.store(SS + pid, tl.sum(g64 * g64, axis=0))
+    tl.store(BAD + pid, tl.sum((~ok).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC, FLAGS_OUT, factor, beta,
+def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC, FLAGS_OUT, ADDR, factor, beta,
                    window, POLICY: tl.constexpr, GUARD: tl.constexpr, RULE: tl.constexpr, S: tl.constexpr,
-                   S_PAD: tl.constexpr, LOSS: tl.constexpr, RBLOCK: tl.constexpr):
+                   S_PAD: tl.constexpr, LOSS: tl.constexpr, LAZY: tl.constexpr, TY: tl.constexpr,
+                   ALIGNED: tl.constexpr, RBLOCK: tl.constexpr):
     """Per tensor: the spike guard (functional/spike.py::spike_scale) and the hold / keep-all flags, into
     DEC (scale, new EMA) and FLAGS_OUT (bit 0 hold, 1 keep all, 2 spike, 3 a bad entry). Writes nothing
     persistent: the update kernel commits the EMA and the spike count, so a launch that fails before it changes nothing.
-    The hold rule's "recent event": :func:`_recent`."""
+    The hold rule's "recent event": :func:`_recent`.
+
+    LAZY ("repair" without the spike guard, where the statistics only serve the hold rule — every entry bad
+    on a parameter with a recent event): no statistics launch ran; only a hold candidate (a recent event and
+    a non-finite first entry) reads its own gradient here, RBLOCK entries at a time, stopping at the first
+    block with a finite entry (a tensor with one is not held). Its "bad entry" bit is then only "every
+    entry bad". Why: the statistics launch ran a program per block of every gradient on every clean step
+    (on gpt2-small some 60,000) to decide a rule that a clean step never triggers; a persistent whole-tensor
+    fault now pays its scan instead (the C loop's rule, scalar_step.c, in one pass per candidate)."""
     t = tl.program_id(0)
-    b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
-    acc = tl.zeros((RBLOCK,), dtype=tl.float64)
-    bad = tl.zeros((RBLOCK,), dtype=tl.int32)
-    for start in range(b0, b1, RBLOCK):
-        idx = start + tl.arange(0, RBLOCK)
-        acc += tl.load(SS + idx, mask=idx < b1, other=0.0)
-        bad += tl.load(BAD + idx, mask=idx < b1, other=0)
-    nbad = tl.sum(bad, axis=0)
     sel = tl.load(SEL + t)
+    if LAZY:
+        n_t = tl.load(NUMEL + t)
+        g_ptr = _column(ADDR, t, 1, TY, 0, ALIGNED)
+        first = tl.load(g_ptr, mask=n_t > 0, other=0.0).to(tl.float32)  # (an empty tensor: finite 0)
+        every_bad = _recent(RECENT, STREAK, EVENTS, sel, window, RULE, S, S_PAD, LOSS) & ~_finite(first)
+        start = n_t * 0
+        while every_bad & (start < n_t):
+            idx = start + tl.arange(0, RBLOCK)
+            g = tl.load(g_ptr + idx, mask=idx < n_t, other=float("nan")).to(tl.float32)
+            every_bad = tl.sum(_finite(g).to(tl.int32), axis=0) == 0
+            start += RBLOCK
+        nbad = tl.where(every_bad, n_t, 0)
+        acc = tl.zeros((RBLOCK,), dtype=tl.float64)  # (no guard: never read)
+    else:
+        b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
+        acc = tl.zeros((RBLOCK,), dtype=tl.float64)
+        bad = tl.zeros((RBLOCK,), dtype=tl.int32)
+        for start in range(b0, b1, RBLOCK):
+            idx = start + tl.arange(0, RBLOCK)
+            acc += tl.load(SS + idx, mask=idx < b1, other=0.0)
+            bad += tl.load(BAD + idx, mask=idx < b1, other=0)
+        nbad = tl.sum(bad, axis=0).to(tl.int64)
     scale = 1.0
     new_ema = 0.0
     trig = nbad < 0  # False
@@ -308,7 +318,7 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
 
 def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, aligned: bool, *, lazy: bool):
     """Launch the statistics and decide kernels over the gradients in column 1 of ``addr`` (the group's
-    address table, four columns); returns (DEC (n, 2) fp32: guard scale and new EMA, flags (n,) int32: bit 0
+    address table, four columns; ``lazy``: the decide kernel alone, see its LAZY); returns (DEC (n, 2) fp32: guard scale and new EMA, flags (n,) int32: bit 0
     hold, 1 keep all, 2 spike, 3 a bad entry). Writes only this scratch. ``layout``: (numel, first, owner,
     nblocks) of :func:`_layout`; ``res``: (scale, recent, ema, dense) as :func:`scalar_step_` takes it."""
     numel, first, owner, nblocks = layout
@@ -316,20 +326,24 @@ def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, align
     device = numel.device
     block, warps = elementwise_block()
     _, recent, ema, _ = res
-    ss = torch.empty(nblocks, dtype=torch.float64, device=device)
-    bad = torch.empty(nblocks, dtype=torch.int32, device=device)
     dec = torch.empty(n, 2, dtype=torch.float32, device=device)
     dec_flags = torch.empty(n, dtype=torch.int32, device=device)
+    ss = bad = dec_flags  # under LAZY never read (no statistics launch)
+    if not lazy:
+        ss = torch.empty(nblocks, dtype=torch.float64, device=device)
+        bad = torch.empty(nblocks, dtype=torch.int32, device=device)
+        _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, TY=ty, ALIGNED=aligned, BLOCK=block,
+                                  num_warps=warps)
     rule = isinstance(recent, RecentRule)
     # the hold rule's inputs (a RecentRule's counters, or the flags; the others never read)
     hold_in = ((dec_flags, recent.clean_streak, recent.events, recent.window) if rule
-               else (recent, bad, bad, 0))
+               else (recent, dec_flags, dec_flags, 0))
     stages = dict(RULE=rule, S=_S, S_PAD=_S_PAD, LOSS=recent.loss_stage if rule else 0)
-    _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, *hold_in, TY=ty, ALIGNED=aligned,
-                              LAZY=lazy, BLOCK=block, num_warps=warps, **stages)
-    _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, *hold_in[:3], dec, dec_flags, float(factor or 0.0),
-                         SPIKE_BETA, hold_in[3], POLICY=code, GUARD=factor is not None, RBLOCK=_RBLOCK,
-                         num_warps=1, **stages)
+    # LAZY scans a hold candidate's gradient a block at a time, with an elementwise launch's shape
+    _decide_kernel[(n,)](ss, bad, first, numel, sel, ema, *hold_in[:3], dec, dec_flags, addr, float(factor or 0.0),
+                         SPIKE_BETA, hold_in[3], POLICY=code, GUARD=factor is not None, LAZY=lazy, TY=ty,
+                         ALIGNED=aligned, RBLOCK=block if lazy else _RBLOCK, num_warps=warps if lazy else 1,
+                         **stages)
     return dec, dec_flags
 
 

@@ -172,25 +172,24 @@ def test_scalar_step_kernels(policy, param):
     ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
     table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
     if policy:
-        for lazy, rule in ((False, False), (False, True), (True, True), (True, False)):
-            # as scalar_step_ passes them: a RecentRule's int64 counters (the flags slot then a spare int32
-            # buffer), or the bool flags (the counter slots then the int32 BAD buffer, never read)
+        stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp64", BAD="*i32"),
+                                   dict(TY=ty, ALIGNED=True, BLOCK=2048), num_warps=8)
+        _binary_ok(stats)
+        assert re.search(r"ld\.global(\.\w+)*\.v[24]", stats.asm["ptx"]), "full blocks: vector loads"
+        for guard, rule, lazy in ((False, False, False), (False, True, False), (True, True, False),
+                                  (True, False, False), (False, True, True), (False, False, True)):
+            # as decisions() passes them: a RecentRule's int64 counters (the flags slot then the int32 flags
+            # scratch), or the bool flags (the counter slots then that scratch, never read); under LAZY the
+            # statistics slots are that scratch too, and the decide kernel scans candidates' gradients
             hold = (dict(RECENT="*i32", STREAK="*i64", EVENTS="*i64") if rule
                     else dict(RECENT="*i1", STREAK="*i32", EVENTS="*i32"))
-            stats = compile_for_hopper(_stats_kernel, dict(table, SS="*fp64", BAD="*i32", SEL="*i64", **hold,
-                                                           window="i32"),
-                                       dict(TY=ty, ALIGNED=True, LAZY=lazy, RULE=rule, S=6, S_PAD=8, LOSS=4,
-                                            BLOCK=2048), num_warps=8)
-            _binary_ok(stats)
-            assert re.search(r"ld\.global(\.\w+)*\.v[24]", stats.asm["ptx"]), "full blocks: vector loads"
-        for guard in (False, True):
-            for rule in (False, True):  # the hold rule's recent flags given, or read from the counters
-                _binary_ok(compile_for_hopper(
-                    _decide_kernel, dict(SS="*fp64", BAD="*i32", FIRST="*i64", NUMEL="*i64", SEL="*i64",
-                                         EMA="*fp32", **(dict(RECENT="*i32", STREAK="*i64", EVENTS="*i64") if rule
-                                                         else dict(RECENT="*i1", STREAK="*i32", EVENTS="*i32")),
-                                         DEC="*fp32", FLAGS_OUT="*i32", factor="fp32", beta="fp32", window="i32"),
-                    dict(POLICY=policy, GUARD=guard, RULE=rule, S=6, S_PAD=8, LOSS=4, RBLOCK=1024), num_warps=1))
+            stat_slots = dict(SS="*i32", BAD="*i32") if lazy else dict(SS="*fp64", BAD="*i32")
+            _binary_ok(compile_for_hopper(
+                _decide_kernel, dict(**stat_slots, FIRST="*i64", NUMEL="*i64", SEL="*i64", EMA="*fp32", **hold,
+                                     DEC="*fp32", FLAGS_OUT="*i32", ADDR="*i64", factor="fp32", beta="fp32",
+                                     window="i32"),
+                dict(POLICY=policy, GUARD=guard, RULE=rule, S=6, S_PAD=8, LOSS=4, LAZY=lazy, TY=ty, ALIGNED=True,
+                     RBLOCK=2048 if lazy else 1024), num_warps=8 if lazy else 1))
     update_types = dict(table, BC="*fp32", HP="*fp32", GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DEC="*fp32",
                         DEC_FLAGS="*i32", EMA="*fp32", DENSE="*i64")
     for sf, decay_z in ((False, False), (True, False), (True, True)):

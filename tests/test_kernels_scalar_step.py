@@ -168,35 +168,38 @@ def case_recent_from_the_counters(device, policy, loss_only):
         assert held == (not loss_only), "hold exactly when the all-NaN parameter had a gradient event recently"
 
 
-def case_lazy_statistics_read_only_what_can_be_held(device):
-    """Under "repair" without the guard the statistics pass reads a tensor only when it can be held (a
-    recent event and a non-finite first entry): the others report 0 bad entries even where they have
-    some — the bytes a clean step does not read. With LAZY off every block is counted."""
+def case_lazy_decisions_read_only_what_can_be_held(device):
+    """Under "repair" without the guard no statistics launch runs: the decide kernel reads a tensor only
+    when it can be held (a recent event and a non-finite first entry), block by block until a finite entry.
+    The hold flags are those of the full statistics; the "bad entry" bit is then "every entry bad" only."""
     import triton.language as tl
 
     from nonans_optim.kernels._elementwise import elementwise_block
-    from nonans_optim.kernels.scalar_step import _S, _S_PAD, _layout, _stats_kernel
+    from nonans_optim.kernels.scalar_step import _layout, decisions
 
-    ps, gs, ms, vs, res, sel, bcs, hp, gamma = _case(device, torch.float32)
-    gs[2][0] = float("nan")  # a bad first entry, but parameter 3 has no recent event
-    recent = torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool, device=device)  # by global index (sel = 1..4)
-    block, warps = elementwise_block()
-    numel, first, owner, nblocks = _layout(tuple(g.numel() for g in gs), block, str(device))
-    addr = torch.tensor([[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()]
-                         for p, g, m, v in zip(ps, gs, ms, vs)], dtype=torch.int64, device=device)
-    counted = {}
-    for lazy in (False, True):
-        ss = torch.empty(nblocks, dtype=torch.float64, device=device)
-        bad = torch.empty(nblocks, dtype=torch.int32, device=device)
-        _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, sel, recent, bad, bad, 0, TY=tl.float32,
-                                  ALIGNED=False, LAZY=lazy, RULE=False, S=_S, S_PAD=_S_PAD,
-                                  LOSS=0, BLOCK=block, num_warps=warps)
-        counted[lazy] = [int(bad[first[i]:first[i + 1]].sum()) for i in range(len(gs))]
-    truth = [int((~torch.isfinite(g)).sum()) for g in gs]
-    assert counted[False] == truth
-    # 0: first entry finite; 1: recent, bad first entry (counted, not all bad); 2: bad first entry, not
-    # recent; 3: recent and all NaN (the one that is held)
-    assert counted[True] == [0, truth[1], 0, truth[3]]
+    block, _ = elementwise_block()
+    nan = float("nan")
+    gs = [torch.randn(n, device=device) for n in (300, 300, 40, 3 * block + 5, 3 * block + 5, 1)]
+    gs[0][7] = nan  # first entry finite: never a candidate
+    gs[1][0] = nan  # recent, bad first entry, finite after: scanned, not held
+    gs[2][0] = nan  # bad first entry, no recent event: not a candidate
+    gs[3].fill_(nan)  # recent and every entry bad, over several scan blocks: held
+    gs[4].fill_(float("inf"))
+    gs[4][-1] = 1.0  # recent, bad but for its very last entry: scanned to the end, not held
+    gs[5].fill_(nan)  # a one-entry tensor, all bad, recent: held
+    n = len(gs)
+    recent = torch.tensor([True, True, False, True, True, True], device=device)
+    sel = torch.arange(n, device=device)
+    res = (torch.ones(n, device=device), recent, torch.zeros(n, device=device),
+           torch.zeros(n, 6, 2, dtype=torch.int64, device=device))
+    layout = _layout(tuple(g.numel() for g in gs), block, str(device))
+    addr = torch.tensor([[0, g.data_ptr(), 0, 0] for g in gs], dtype=torch.int64, device=device)
+    flags = {lazy: decisions(addr, layout, sel, res, 1, None, tl.float32, False, lazy=lazy)[1].tolist()
+             for lazy in (False, True)}
+    held = [1 if i in (3, 5) else 0 for i in range(n)]
+    assert [f & 1 for f in flags[False]] == [f & 1 for f in flags[True]] == held
+    assert [(f >> 3) & 1 for f in flags[False]] == [1] * n  # exact: every tensor has a bad entry
+    assert [(f >> 3) & 1 for f in flags[True]] == held  # lazy: only the held ones are known to
 
 
 def case_unaligned_views(device):
@@ -349,8 +352,8 @@ def _define(device, marks=()):
         case_guard_scale_floor(device, sf)
 
     @mark
-    def test_lazy_statistics_read_only_what_can_be_held():
-        case_lazy_statistics_read_only_what_can_be_held(device)
+    def test_lazy_decisions_read_only_what_can_be_held():
+        case_lazy_decisions_read_only_what_can_be_held(device)
 
     @mark
     def test_unaligned_views():
@@ -383,7 +386,7 @@ def _define(device, marks=()):
 
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
-            test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held, test_guard_scale_floor)
+            test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held, test_guard_scale_floor)
 
 
 # ops that launch nothing on a GPU (allocation, views, metadata)
@@ -449,21 +452,25 @@ def step_launches(monkeypatch, opt, params) -> dict:
     return seen
 
 
-def case_repair_adds_only_the_three_resolution_launches(monkeypatch):
+def case_repair_adds_only_the_resolution_launches(monkeypatch):
     """What "repair" asks of the host beyond "off" on this path, counted (under the interpreter, the CPU's
-    stand-in for a GPU's launches): the statistics, decide and record kernels and not one torch op — the
-    hold rule's recent flags are read from the counters in the decide kernel and the count block is
-    reused, zeroed by the record kernel (each was a host-issued launch per step: an H100 sync-audit
-    counted 12 launches per AdamW repair step against 3 under "off" before)."""
+    stand-in for a GPU's launches) and not one torch op — the hold rule's recent flags are read from the
+    counters in the decide kernel and the count block is reused, zeroed by the record kernel (each was a
+    host-issued launch per step: an H100 sync-audit counted 12 launches per AdamW repair step against 3
+    under "off" before). The default (no spike guard): the decide and record kernels alone — no
+    statistics launch, whose program per block ran on every clean step; with the guard, which needs the
+    norm, the statistics kernel too."""
     from collections import Counter
 
     _force_triton(monkeypatch)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
     for cls in (no.AdamW, no.SFAdamW):
-        seen = step_launches(monkeypatch, cls(params, lr=1e-3, impl="fused"), params)
-        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
-        assert rep_ops == off_ops, (rep_ops, off_ops)
-        assert rep_launch - off_launch == Counter(["_stats_kernel", "_decide_kernel", "_record_kernel"])
+        for factor, extra in ((None, ["_decide_kernel", "_record_kernel"]),
+                              (10.0, ["_stats_kernel", "_decide_kernel", "_record_kernel"])):
+            seen = step_launches(monkeypatch, cls(params, lr=1e-3, impl="fused", spike_factor=factor), params)
+            (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+            assert rep_ops == off_ops, (rep_ops, off_ops)
+            assert rep_launch - off_launch == Counter(extra), (cls.__name__, factor)
 
 
 def case_supported_takes_one_dtype_contiguous_group(device):
@@ -484,12 +491,12 @@ if INTERPRETED:
     def test_supported_takes_one_dtype_contiguous_group():
         case_supported_takes_one_dtype_contiguous_group("cpu")
 
-    def test_repair_adds_only_the_three_resolution_launches(monkeypatch):
-        case_repair_adds_only_the_three_resolution_launches(monkeypatch)
+    def test_repair_adds_only_the_resolution_launches(monkeypatch):
+        case_repair_adds_only_the_resolution_launches(monkeypatch)
 
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
      test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
-     test_recent_from_the_counters, test_lazy_statistics_read_only_what_can_be_held,
+     test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held,
      test_guard_scale_floor) = _define("cpu")
 else:
     def test_interpreter_suite():
@@ -524,7 +531,7 @@ else:
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_optimizer_matches_loop,
      test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
      test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does,
-     test_gpu_recent_from_the_counters, test_gpu_lazy_statistics_read_only_what_can_be_held,
+     test_gpu_recent_from_the_counters, test_gpu_lazy_decisions_read_only_what_can_be_held,
      test_gpu_guard_scale_floor) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu

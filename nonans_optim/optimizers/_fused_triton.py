@@ -1,6 +1,6 @@
 """impl="fused" off the CPU: the (SF-)AdamW + resolution step as the multi-tensor Triton kernels of
-``nonans_optim.kernels.scalar_step`` (three launches per group: gradient statistics, per-tensor decisions,
-the one-pass update), the GPU counterpart of the native C loop in :mod:`._fused`.
+``nonans_optim.kernels.scalar_step`` (per group: gradient statistics where a decision needs them,
+per-tensor decisions, the one-pass update), the GPU counterpart of the native C loop in :mod:`._fused`.
 
 Which backend runs (``NONANS_FUSED_BACKEND``, read at each step):
 
