@@ -14,7 +14,8 @@ principles"):
   bandwidth, next to the torch reference and ``torch.optim.AdamW(fused=True)``;
 * the optimizer-level fused step, ``AdamW(impl="fused")`` on the multi-tensor kernels, "repair" and "off",
   against ``torch.optim.AdamW(fused=True)`` on the same tensors, with each arm's GPU time by kernel, and
-  the same step at a few launch shapes (``experiments/kernels_step.py``).
+  the same step at a few launch shapes, and the spectral fused step (SF-NorMuon, FullFusion) by kernel
+  (``experiments/kernels_step.py``).
 
 Without CUDA it prints why and exits 0 without writing. ``--dry-run`` runs the same code on CPU under the
 Triton interpreter with tiny shapes (so CI tests the script); its timings mean nothing and it writes JSON
@@ -35,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, device_time_per_step,
-                                      render_fused_step, render_sweep)
+from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, bench_spectral_step,
+                                      device_time_per_step, render_fused_step, render_spectral_step, render_sweep)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "results" / "kernels.json"
@@ -250,12 +251,14 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
         fused_step[f"{arm}_fraction_of_copy"] = fused_step[f"{arm}_gbps"] * 1e9 / bandwidth
     sweep = bench_block_sweep(timer, device, 4096 if dry_run else 1 << 26, log,
                               None if dry_run else device_time_per_step)
+    spectral = bench_spectral_step(timer, device, log, None if dry_run else device_time_per_step,
+                                   **(dict(shape=(16, 24), matrices=2) if dry_run else {}))
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
             "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows), "fp16_safe": fp16_safe,
-            "elementwise": elementwise, "fused_step": fused_step, "block_sweep": sweep,
+            "elementwise": elementwise, "fused_step": fused_step, "block_sweep": sweep, "spectral_step": spectral,
             "targets": check_targets(rows)}
 
 
@@ -304,7 +307,8 @@ def render(data: dict[str, Any]) -> str:
               f"{e['adamw_repair_gbps']:.0f} | {e['adamw_repair_fraction_of_copy']:.2f} |",
               f"| momentum_update_ repair | {_ms(e['momentum_repair_ms'])} | {e['momentum_repair_gbps']:.0f} | "
               f"{e['momentum_fraction_of_copy']:.2f} |"]
-    lines += render_fused_step(f) + render_sweep(data.get("block_sweep") or [])
+    lines += render_fused_step(f, data["copy_gbps"]) + render_sweep(data.get("block_sweep") or [])
+    lines += render_spectral_step(data.get("spectral_step") or [])
     return "\n".join(lines)
 
 

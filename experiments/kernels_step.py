@@ -19,16 +19,21 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["CONFIGS", "bench_fused_step", "device_time_per_step", "render_fused_step", "bench_block_sweep",
-           "render_sweep"]
+           "render_sweep", "bench_spectral_step", "render_spectral_step"]
 
+# Bytes each arm of the fused step must move per fp32 entry. Until 2026-11-26 "repair" was counted at 32,
+# as if the spike guard's extra read of g ran: AdamW's default has no guard (runs before then recorded no
+# bytes; the render counts them at these).
+BYTES_PER_ENTRY = {"repair": 28, "off": 28, "torch_fused": 28}
 # (entries per block, warps): a block's counts are packed in fields sized for <= 2048 entries (_PACK_BLOCK)
 CONFIGS = ((2048, 8), (2048, 4), (1024, 8), (1024, 4), (512, 4))
 
 
 def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[str, Any]:
     """The optimizer-level fused step (``AdamW(impl="fused")``: the multi-tensor Triton kernels of
-    ``kernels/scalar_step.py``) on ``tensors`` equal fp32 tensors, "repair" (spike guard on: its statistics
-    pass reads g once more, 32 bytes per entry) and "off" (28), against ``torch.optim.AdamW(fused=True)``."""
+    ``kernels/scalar_step.py``) on ``tensors`` equal fp32 tensors, "repair" and "off" — AdamW's default has
+    no spike guard, so both move 28 bytes per entry (read p, g, m, v; write p, m, v) — against
+    ``torch.optim.AdamW(fused=True)``. Bytes per entry are recorded; the render derives GB/s from them."""
     import nonans_optim as no
 
     torch.manual_seed(0)
@@ -52,7 +57,8 @@ def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[s
             os.environ.pop("NONANS_FUSED_BACKEND")
         else:
             os.environ["NONANS_FUSED_BACKEND"] = before
-    for name, nbytes in (("repair", 32), ("off", 28), ("torch_fused", 28)):
+    out["bytes_per_entry"] = BYTES_PER_ENTRY
+    for name, nbytes in BYTES_PER_ENTRY.items():
         out[f"{name}_gbps"] = nbytes * out["numel"] / (out[f"{name}_ms"] * 1e-3) / 1e9
     out["repair_vs_off"] = out["repair_ms"] / out["off_ms"]
     out["repair_vs_torch_fused"] = out["repair_ms"] / out["torch_fused_ms"]
@@ -86,15 +92,18 @@ def _ms(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
-def render_fused_step(f: dict[str, Any] | None) -> list[str]:
-    """The fused step's rows of the kernels section's elementwise table, its ratios and its GPU breakdown."""
+def render_fused_step(f: dict[str, Any] | None, copy_gbps: float) -> list[str]:
+    """The fused step's rows of the kernels section's elementwise table (GB/s from its measured ms and the
+    bytes each arm moves, :data:`BYTES_PER_ENTRY`), its ratios and its GPU breakdown."""
     lines: list[str] = []
     if not f:
         return lines
+    nbytes = f.get("bytes_per_entry", BYTES_PER_ENTRY)
     for arm, label in (("repair", 'AdamW(impl="fused") repair'), ("off", 'AdamW(impl="fused") off'),
                        ("torch_fused", "torch.optim.AdamW(fused=True)")):
+        gbps = nbytes[arm] * f["numel"] / (f[arm + "_ms"] * 1e-3) / 1e9
         lines.append(f"| {label}, {f['tensors']} tensors, {f['numel']:,} entries | {_ms(f[arm + '_ms'])} | "
-                     f"{f[arm + '_gbps']:.0f} | {f[arm + '_fraction_of_copy']:.2f} |")
+                     f"{gbps:.0f} | {gbps / copy_gbps:.2f} |")
     lines.append(f"\nAdamW(impl=\"fused\") repair / off: {f['repair_vs_off']:.3f}; repair / torch fused: "
                  f"{f['repair_vs_torch_fused']:.3f}. Target: the fused elementwise kernel at ≥ 0.80 of the copy "
                  "bandwidth.")
@@ -160,4 +169,56 @@ def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         gpu = [f"{r[k]:.0f}" if r.get(k) is not None else "—" for k in ("repair_device_us", "off_device_us")]
         lines.append(f"| {r['block']} × {r['warps']} | {r['repair_ms']:.3f} | {r['off_ms']:.3f} | "
                      f"{r['repair_vs_off']:.2f} | {gpu[0]} | {gpu[1]} |")
+    return lines
+
+
+def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, profile: Callable | None = None,
+                        shape: tuple[int, int] = (768, 3072), matrices: int = 12) -> list[dict[str, Any]]:
+    """The spectral fused step (SF-NorMuon and FullFusion, ``impl="fused"``: the Triton kernels around the
+    batched NS5, KL-Shampoo stacked) on ``matrices`` fp32 parameters of one shape — by default a gpt2-small
+    layer stack's MLP projections —, "repair" and "off": the timer's ms per step and, with ``profile``, the
+    GPU µs per step by kernel, so a run shows where the repair's time goes (the decisions, the gated
+    launches, or the host)."""
+    import nonans_optim as no
+
+    rows = []
+    before = os.environ.get("NONANS_FUSED_BACKEND")
+    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
+    try:
+        for cls in (no.SFNorMuon, no.FullFusion):
+            for policy in ("repair", "off"):
+                torch.manual_seed(0)
+                params = [torch.nn.Parameter(0.02 * torch.randn(shape, device=device)) for _ in range(matrices)]
+                for q in params:
+                    q.grad = 0.01 * torch.randn_like(q)
+                opt = cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused", resolution=policy)
+                row: dict[str, Any] = {"optimizer": cls.__name__, "policy": policy, "shape": list(shape),
+                                       "matrices": matrices, "ms": timer(opt.step)}
+                if profile is not None:
+                    row["device_us"] = profile(opt.step)
+                log(f"  {cls.__name__}(impl='fused') {matrices} x {shape[0]}x{shape[1]} {policy}: {row['ms']:.3f} ms")
+                rows.append(row)
+    finally:
+        if before is None:
+            os.environ.pop("NONANS_FUSED_BACKEND")
+        else:
+            os.environ["NONANS_FUSED_BACKEND"] = before
+    return rows
+
+
+def render_spectral_step(rows: list[dict[str, Any]]) -> list[str]:
+    """The spectral fused step's table for the kernels section (lines; none without rows)."""
+    if not rows:
+        return []
+    r0 = rows[0]
+    lines = [f"\nThe spectral fused step (`experiments/kernels_step.py`; {r0['matrices']} fp32 parameters of "
+             f"{r0['shape'][0]}×{r0['shape'][1]}, KL-Shampoo stacked): wall ms per step and, from torch.profiler, "
+             "GPU µs per step by kernel (the five largest):\n",
+             "| optimizer | policy | wall ms | GPU µs total | kernels (µs) |", "|---|---|---|---|---|"]
+    for r in rows:
+        per = r.get("device_us")
+        top = sorted(((k, v) for k, v in (per or {}).items() if k != "total"), key=lambda kv: -kv[1])[:5]
+        lines.append(f"| {r['optimizer']} | {r['policy']} | {r['ms']:.3f} | "
+                     f"{per['total']:.0f} | " + ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top) + " |"
+                     if per else f"| {r['optimizer']} | {r['policy']} | {r['ms']:.3f} | — | — |")
     return lines

@@ -269,6 +269,12 @@ if INTERPRETED:
         assert [(r["block"], r["warps"]) for r in data["block_sweep"]] == list(CONFIGS)
         assert all(r["repair_ms"] > 0 and r["off_ms"] > 0 and "repair_device_us" not in r for r in data["block_sweep"])
         assert "| 1024 × 4 | " in text and "| — | — |" in text
+        # the spectral fused step: both optimizers, both policies, timed (GPU µs only from a CUDA run)
+        spec = data["spectral_step"]
+        assert [(r["optimizer"], r["policy"]) for r in spec] == [
+            ("SFNorMuon", "repair"), ("SFNorMuon", "off"), ("FullFusion", "repair"), ("FullFusion", "off")]
+        assert all(r["ms"] > 0 and "device_us" not in r for r in spec)
+        assert "| FullFusion | off | " in text
         with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
             bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
         assert not (tmp_path / "R.md").exists()
