@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -29,6 +30,26 @@ BYTES_PER_ENTRY = {"repair": 28, "off": 28, "torch_fused": 28}
 CONFIGS = ((2048, 8), (2048, 4), (1024, 8), (1024, 4), (512, 4))
 
 
+def _on_triton():
+    """The fused optimizers on their Triton kernels for the block: what "auto" picks on CUDA, and what the
+    dry run (CPU, interpreter) must be told; the environment is restored after."""
+    return mock.patch.dict(os.environ, {"NONANS_FUSED_BACKEND": "triton"})
+
+
+def _with_grads(size: int, tensors: int, device) -> list[torch.Tensor]:
+    """``tensors`` fresh fp32 parameters of ``size`` entries, each with a small random gradient."""
+    params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
+    for q in params:
+        q.grad = torch.randn_like(q) * 1e-2
+    return params
+
+
+def _top_kernels(per: dict[str, float]) -> str:
+    """The five largest entries of :func:`device_time_per_step`'s dict, as a table cell."""
+    top = sorted(((k, v) for k, v in per.items() if k != "total"), key=lambda kv: -kv[1])[:5]
+    return ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top)
+
+
 def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[str, Any]:
     """The optimizer-level fused step (``AdamW(impl="fused")``: the multi-tensor Triton kernels of
     ``kernels/scalar_step.py``) on ``tensors`` equal fp32 tensors, "repair" and "off" — AdamW's default has
@@ -39,24 +60,14 @@ def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[s
     torch.manual_seed(0)
     size = max(numel // tensors, 1)
     out: dict[str, Any] = {"numel": size * tensors, "tensors": tensors, "dtype": "fp32"}
-    before = os.environ.get("NONANS_FUSED_BACKEND")
-    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
-    try:
+    with _on_triton():
         for name, make in (("repair", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused")),
                            ("off", lambda ps: no.AdamW(ps, lr=1e-3, impl="fused", resolution="off")),
                            ("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=device.type == "cuda"))):
-            params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
-            for q in params:
-                q.grad = torch.randn_like(q) * 1e-2
-            opt = make(params)
+            opt = make(_with_grads(size, tensors, device))
             out[f"{name}_ms"] = timer(opt.step)
             if device.type == "cuda":
                 out.setdefault("device_us", {})[name] = device_time_per_step(opt.step)
-    finally:
-        if before is None:
-            os.environ.pop("NONANS_FUSED_BACKEND")
-        else:
-            os.environ["NONANS_FUSED_BACKEND"] = before
     out["bytes_per_entry"] = BYTES_PER_ENTRY
     for name, nbytes in BYTES_PER_ENTRY.items():
         out[f"{name}_gbps"] = nbytes * out["numel"] / (out[f"{name}_ms"] * 1e-3) / 1e9
@@ -112,9 +123,7 @@ def render_fused_step(f: dict[str, Any] | None, copy_gbps: float) -> list[str]:
                      "time above — a total well under it means the step waits on the host issuing it:\n")
         lines += ["| arm | wall µs | GPU µs total | kernels (µs) |", "|---|---|---|---|"]
         for arm, per in f["device_us"].items():
-            top = sorted(((k, v) for k, v in per.items() if k != "total"), key=lambda kv: -kv[1])[:5]
-            lines.append(f"| {arm} | {f[arm + '_ms'] * 1e3:.0f} | {per['total']:.0f} | "
-                         + ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top) + " |")
+            lines.append(f"| {arm} | {f[arm + '_ms'] * 1e3:.0f} | {per['total']:.0f} | {_top_kernels(per)} |")
     return lines
 
 
@@ -126,33 +135,22 @@ def bench_block_sweep(timer: Callable, device: torch.device, numel: int, log: Ca
     from nonans_optim.kernels import scalar_step
 
     size = max(numel // tensors, 1)
-    real = scalar_step.elementwise_block
-    before = os.environ.get("NONANS_FUSED_BACKEND")
-    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
     rows = []
-    try:
+    with _on_triton():
         for block, warps in configs:
-            scalar_step.elementwise_block = lambda b=block, w=warps: (b, w)  # stats, decide and update alike
             row: dict[str, Any] = {"block": block, "warps": warps, "numel": size * tensors, "tensors": tensors}
-            for policy in ("repair", "off"):
-                torch.manual_seed(0)
-                params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
-                for q in params:
-                    q.grad = torch.randn_like(q) * 1e-2
-                opt = no.AdamW(params, lr=1e-3, impl="fused", resolution=policy)
-                row[f"{policy}_ms"] = timer(opt.step)
-                if profile is not None:
-                    row[f"{policy}_device_us"] = profile(opt.step)["total"]
+            # the one shape of the stats, decide and update launches alike
+            with mock.patch.object(scalar_step, "elementwise_block", lambda b=block, w=warps: (b, w)):
+                for policy in ("repair", "off"):
+                    torch.manual_seed(0)
+                    opt = no.AdamW(_with_grads(size, tensors, device), lr=1e-3, impl="fused", resolution=policy)
+                    row[f"{policy}_ms"] = timer(opt.step)
+                    if profile is not None:
+                        row[f"{policy}_device_us"] = profile(opt.step)["total"]
             row["repair_vs_off"] = row["repair_ms"] / row["off_ms"]
             log(f"  AdamW(impl='fused') block {block} x {warps} warps: repair {row['repair_ms']:.3f} ms, "
                 f"off {row['off_ms']:.3f} ms ({row['repair_vs_off']:.2f}x)")
             rows.append(row)
-    finally:
-        scalar_step.elementwise_block = real
-        if before is None:
-            os.environ.pop("NONANS_FUSED_BACKEND")
-        else:
-            os.environ["NONANS_FUSED_BACKEND"] = before
     return rows
 
 
@@ -182,9 +180,7 @@ def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, pr
     import nonans_optim as no
 
     rows = []
-    before = os.environ.get("NONANS_FUSED_BACKEND")
-    os.environ["NONANS_FUSED_BACKEND"] = "triton"  # what "auto" picks on CUDA; the dry run needs it forced
-    try:
+    with _on_triton():
         for cls in (no.SFNorMuon, no.FullFusion):
             for policy in ("repair", "off"):
                 torch.manual_seed(0)
@@ -198,11 +194,6 @@ def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, pr
                     row["device_us"] = profile(opt.step)
                 log(f"  {cls.__name__}(impl='fused') {matrices} x {shape[0]}x{shape[1]} {policy}: {row['ms']:.3f} ms")
                 rows.append(row)
-    finally:
-        if before is None:
-            os.environ.pop("NONANS_FUSED_BACKEND")
-        else:
-            os.environ["NONANS_FUSED_BACKEND"] = before
     return rows
 
 
@@ -217,8 +208,6 @@ def render_spectral_step(rows: list[dict[str, Any]]) -> list[str]:
              "| optimizer | policy | wall ms | GPU µs total | kernels (µs) |", "|---|---|---|---|---|"]
     for r in rows:
         per = r.get("device_us")
-        top = sorted(((k, v) for k, v in (per or {}).items() if k != "total"), key=lambda kv: -kv[1])[:5]
-        lines.append(f"| {r['optimizer']} | {r['policy']} | {r['ms']:.3f} | "
-                     f"{per['total']:.0f} | " + ", ".join(f"`{k[:40]}` {v:.0f}" for k, v in top) + " |"
-                     if per else f"| {r['optimizer']} | {r['policy']} | {r['ms']:.3f} | — | — |")
+        gpu = f"{per['total']:.0f} | {_top_kernels(per)}" if per else "— | —"
+        lines.append(f"| {r['optimizer']} | {r['policy']} | {r['ms']:.3f} | {gpu} |")
     return lines
