@@ -124,8 +124,7 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
             g = tl.load(g_ptr + idx, mask=idx < n_t, other=float("nan")).to(tl.float32)
             every_bad = tl.sum(_finite(g).to(tl.int32), axis=0) == 0
             start += RBLOCK
-        nbad = tl.where(every_bad, n_t, 0)
-        acc = tl.zeros((RBLOCK,), dtype=tl.float64)  # (no guard: never read)
+        nbad = tl.where(every_bad, n_t, 0)  # (LAZY has no guard: no norm to add up)
     else:
         b0, b1 = tl.load(FIRST + t), tl.load(FIRST + t + 1)
         acc = tl.zeros((RBLOCK,), dtype=tl.float64)
@@ -318,9 +317,10 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
 
 def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, aligned: bool, *, lazy: bool):
     """Launch the statistics and decide kernels over the gradients in column 1 of ``addr`` (the group's
-    address table, four columns; ``lazy``: the decide kernel alone, see its LAZY); returns (DEC (n, 2) fp32: guard scale and new EMA, flags (n,) int32: bit 0
-    hold, 1 keep all, 2 spike, 3 a bad entry). Writes only this scratch. ``layout``: (numel, first, owner,
-    nblocks) of :func:`_layout`; ``res``: (scale, recent, ema, dense) as :func:`scalar_step_` takes it."""
+    address table, four columns; ``lazy``: the decide kernel alone, see its LAZY); returns (DEC (n, 2)
+    fp32: guard scale and new EMA, flags (n,) int32: bit 0 hold, 1 keep all, 2 spike, 3 a bad entry).
+    Writes only this scratch. ``layout``: (numel, first, owner, nblocks) of :func:`_layout`; ``res``:
+    (scale, recent, ema, dense) as :func:`scalar_step_` takes it."""
     numel, first, owner, nblocks = layout
     n = numel.shape[0]
     device = numel.device

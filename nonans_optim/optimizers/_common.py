@@ -179,7 +179,6 @@ def check_sizes(sizes: list[int], key: str, tensors: list[torch.Tensor]) -> None
                          f"{sizes[i]}: the optimizer state does not belong to these parameters")
 
 
-
 def check_spectral_sizes(sizes: list[int], rows: list[int], bufs: list[torch.Tensor],
                          zs: list[torch.Tensor] | None = None, vs: list[torch.Tensor] | None = None,
                          monas: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
