@@ -77,15 +77,20 @@ def test_faults_spike_and_hold_match_loop(momentum_dtype, cls):
     assert torch.equal(r["escalations"], g["escalations"]) and g["escalations"].sum() > 0
 
 
-@pytest.fixture
-def kl_batched(monkeypatch):
-    """KL-Shampoo's batched form (what the fused step runs on CUDA) on these CPU tests, with a count of the
-    stacks it ran, so a test can tell it was not the one-by-one fallback."""
-    stacks = []
+def count_kl_stacks(monkeypatch) -> list[int]:
+    """The size of every stack KL-Shampoo's batched form runs from here on (also used by
+    tests/test_kernels_spectral_step.py), so a test can tell it was not the one-by-one fallback."""
+    stacks: list[int] = []
     real = _kl_stacks._step_stack
-    monkeypatch.setattr(_kl_stacks, "_batch_on", lambda device: True)
     monkeypatch.setattr(_kl_stacks, "_step_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
     return stacks
+
+
+@pytest.fixture
+def kl_batched(monkeypatch):
+    """KL-Shampoo's batched form (what the fused step runs on CUDA) on these CPU tests, and its stack count."""
+    monkeypatch.setattr(_kl_stacks, "_batch_on", lambda device: True)
+    return count_kl_stacks(monkeypatch)
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-stack", "chunks-of-one"])

@@ -115,12 +115,10 @@ def case_kl_batched_matches_loop(device, policy, factor, monkeypatch):
     square matrices (full-rank factors from the first step, so the loop's QR bases are unique): a stack of
     three takes the guard's device-side scales as one product (the overflow at step 3 is a spike there) and
     holds a whole-NaN tensor, and still matches the loop; the stacks really ran."""
-    from nonans_optim.optimizers import _kl_stacks
+    from test_fused_spectral import count_kl_stacks
 
     _force_triton(monkeypatch, kl_batched=True)
-    stacks = []
-    real = _kl_stacks._step_stack
-    monkeypatch.setattr(_kl_stacks, "_step_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
+    stacks = count_kl_stacks(monkeypatch)
     kw = dict(device=device, ns5_dtype="fp32", spike_factor=factor, cls=no.FullFusion, shapes=SQUARE)
     ref, ref_opt = _run_wide("loop", policy, **kw)
     got, got_opt = _run_wide("fused", policy, **kw)
