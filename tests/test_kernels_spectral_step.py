@@ -13,6 +13,7 @@ Pinned down, with a fallback to ``impl="compiled"`` made to fail the test:
 * matrices of several blocks and rows wider than one row chunk, with the spike guard firing, a bf16
   momentum buffer and a bf16 NS5 input (SF-NorMuon and FullFusion); KL-Shampoo's damping under "skip";
   MONA's first step decided per tensor;
+* the update stage's counts where a step pushes entries past fp32's maximum, none while a tensor is held;
 * a clean "repair" step bit-identical to "off";
 * what "repair" adds to "off": the two decision launches (and the record kernel), no torch op (with
   KL-Shampoo, the torch ops between the launches read the decisions on the device);
@@ -125,6 +126,39 @@ def case_kl_batched_matches_loop(device, policy, factor, monkeypatch):
     assert_params_and_state_close(ref, ref_opt, got, got_opt)
     assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
     assert 3 in stacks
+
+
+def case_update_overflow_counts(device, cls, monkeypatch):
+    """The update stage's counts (the apply kernel's one packed sum: NaN in the low 16 bits, non-finite above)
+    against the loop: entries at ±fp32's maximum, which every step of lr 1e37 pushes past it on one side —
+    decisively, by about 1e36 where the two arithmetics can differ by an ulp (2e31) — while the other entries
+    stay below 2e38; and none counted on the steps where the second tensor is held (its gradient all NaN
+    after an event). The fault sequences of the other cases never overflow an update."""
+    _force_triton(monkeypatch)
+    big = torch.finfo(torch.float32).max
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(0.1 * torch.randn(16, 24)) for _ in range(2)]
+        with torch.no_grad():
+            for q in ps:
+                q.view(-1)[::7], q.view(-1)[3::7] = big, -big
+        ps = [torch.nn.Parameter(q.detach().to(device)) for q in ps]
+        opt = cls([{"params": ps, "path": "spectral"}], lr=1e37, weight_decay=0.0, ns5_dtype="fp32", impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(4):
+            for i, q in enumerate(ps):
+                g = torch.randn(q.shape, generator=gen)
+                if i == 1 and t >= 2:
+                    g.fill_(float("nan"))
+                q.grad = g.to(device)
+            opt.step()
+            assert all(torch.isfinite(q).all() for q in ps)
+        runs.append(opt)
+    updates = [[e for e in event_tuples(o) if e[2] == "update"] for o in runs]
+    assert updates[1] == updates[0]
+    assert {e[1] for e in updates[0] if e[0] == 1} == {0, 1} and all(e[4] > 0 for e in updates[0]), updates[0]
+    assert not [e for e in updates[0] if e[1] == 1 and e[0] >= 3], updates[0]  # held: nothing counted
 
 
 def case_bf16_buffer_and_ns5_input(device, cls, monkeypatch):
@@ -266,6 +300,11 @@ def _define(device, marks=()):
         case_kl_batched_matches_loop(device, policy, factor, monkeypatch)
 
     @mark
+    @pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon], ids=["SFNorMuon", "Muon"])
+    def test_update_overflow_counts(cls, monkeypatch):
+        case_update_overflow_counts(device, cls, monkeypatch)
+
+    @mark
     @pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
     def test_bf16_buffer_and_ns5_input(cls, monkeypatch):
         case_bf16_buffer_and_ns5_input(device, cls, monkeypatch)
@@ -295,7 +334,8 @@ def _define(device, marks=()):
 
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
-            test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop)
+            test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop,
+            test_update_overflow_counts)
 
 
 if INTERPRETED:
@@ -332,7 +372,8 @@ if INTERPRETED:
 
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
      test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
-     test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop) = _define("cpu")
+     test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop,
+     test_update_overflow_counts) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -342,7 +383,7 @@ else:
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
      test_gpu_skip_keeps_kl_damping, test_gpu_tensors_on_different_first_steps, test_gpu_clean_repair_is_off,
      test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels,
-     test_gpu_kl_batched_matches_loop) = _define("cuda", marks=gpu)
+     test_gpu_kl_batched_matches_loop, test_gpu_update_overflow_counts) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
