@@ -88,10 +88,11 @@ def _store(ptr, idx, x, mask, TY: tl.constexpr, EMULATE: tl.constexpr, MASKED: t
 
 
 @triton.jit
-def _count(cond, mask, MASKED: tl.constexpr):
+def _sum_masked(x, mask, MASKED: tl.constexpr):
+    """Σ x over a block's live entries (only a tensor's last block is masked)."""
     if MASKED:
-        cond = cond & mask
-    return tl.sum(cond.to(tl.int32), axis=0)
+        x = tl.where(mask, x, 0)
+    return tl.sum(x, axis=0)
 
 
 @triton.jit
