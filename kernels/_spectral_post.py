@@ -12,6 +12,23 @@ from ._multi import (_DIR_INF, _DIR_NAN, _ROW, _UPDATE_INF, _UPDATE_NAN, _add_co
                      _lerp, _load, _store, _sum_masked)
 
 @triton.jit
+def _row_has_bad(g_ptr, C, look, BLOCK_C: tl.constexpr):
+    """Whether the row's gradient has a non-finite entry, read only where ``look`` (its tensor's gradient had
+    one: bit 3 of the decisions), in a loop of its own after the row's sums. Why not inside the sums' loop:
+    its accumulator and its reduction were paid by every row of every gated step (sm_90: 30 -> 54 registers,
+    1 -> 5 barriers with NorMuon), where only a step with a bad entry needs them."""
+    bad = look & False
+    if look:
+        acc = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            idx = c0 + tl.arange(0, BLOCK_C)
+            g = tl.load(g_ptr + idx, mask=idx < C, other=0.0).to(tl.float32)
+            acc += (~_finite(g)).to(tl.int32)
+        bad = tl.sum(acc, axis=0) > 0
+    return bad
+
+
+@triton.jit
 def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV, ROW_SQ, ROW_SUM,
                  NORMUON: tl.constexpr, GATE: tl.constexpr, G_TY: tl.constexpr, O_TY: tl.constexpr,
                  ROWS_ALIGNED: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -32,10 +49,8 @@ def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV,
     flags = t * 0
     if GATE:
         flags = tl.load(DEC_FLAGS + t)
-    look = (flags & 8) != 0  # the tensor's gradient had a bad entry: find this row's
     sq = tl.zeros((BLOCK_C,), dtype=tl.float32)
     sm = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    bad = tl.zeros((BLOCK_C,), dtype=tl.int32)
     for c0 in range(0, C, BLOCK_C):
         idx = c0 + tl.arange(0, BLOCK_C)
         m = idx < C
@@ -43,10 +58,6 @@ def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV,
         sq += o * o
         if GATE:
             sm += o
-            if NORMUON:
-                if look:
-                    g = tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
-                    bad += (~_finite(g)).to(tl.int32)
     row_sq = tl.sum(sq, axis=0)
     inv = 1.0
     if NORMUON:
@@ -55,7 +66,7 @@ def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV,
         vo = tl.load(v_ptr)
         vn = _lerp(vo, tl.div_rn(row_sq, C.to(tl.float32)), one_m_b2)
         if GATE:
-            vn = tl.where(tl.sum(bad, axis=0) == 0, vn, vo)
+            vn = tl.where(_row_has_bad(g_ptr, C, (flags & 8) != 0, BLOCK_C), vo, vn)
         inv = tl.div_rn(1.0, tl.sqrt_rn(vn) + eps)
         if GATE:
             vn = tl.where(_finite(vn) & ((flags & 2) == 0), vn, vo)
