@@ -103,6 +103,27 @@ def test_thread_count_does_not_change_results(cls):
     assert "spike" in {e[2] for e in event_tuples(runs[1][1])}
 
 
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_tensors_at_different_steps_in_one_call(cls):
+    """The middle parameter has no gradient on the first two steps, so one native call takes tensors whose
+    step counts differ (t, t-2, t): each its own bias corrections, which the loop computes once per run of
+    equal steps."""
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        params = [torch.randn(s, requires_grad=True) for s in SHAPES]
+        opt = cls(params, impl=impl, lr=1e-2, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(5):
+            for i, (q, g) in enumerate(zip(params, [torch.randn(s, generator=gen) for s in SHAPES])):
+                q.grad = None if (i == 1 and t < 2) else g
+            opt.step()
+        runs.append((params, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    assert [float(got_opt.state[q]["step"]) for q in got] == [5.0, 3.0, 5.0]
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+
+
 def test_unsupported_tensors_run_compiled(monkeypatch):
     """bf16 parameters and a non-contiguous gradient are not what the C loop indexes: those groups run
     impl="compiled" (silently, with the same results), never a pointer into the wrong layout."""

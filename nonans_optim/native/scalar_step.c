@@ -288,11 +288,18 @@ int nonans_scalar_step(int64_t n, float **p, float **g, float **m, float **v, fl
         return 1;
     }
     float *bc = lr + n;
+    float last_t = -1.0f; /* the tensors of a group are usually at one step: pow() once, not twice per tensor */
     for (int64_t i = 0; i < n; i++) {
         const float t = *step[i] + 1.0f;
         *step[i] = t;
-        bc[2 * i] = (float)(1.0 - pow(beta1, (double)t));
-        bc[2 * i + 1] = (float)(1.0 - pow(beta2, (double)t));
+        if (i == 0 || t != last_t) {
+            bc[2 * i] = (float)(1.0 - pow(beta1, (double)t));
+            bc[2 * i + 1] = (float)(1.0 - pow(beta2, (double)t));
+            last_t = t;
+        } else {
+            bc[2 * i] = bc[2 * i - 2];
+            bc[2 * i + 1] = bc[2 * i - 1];
+        }
         lr[i] = scale != NULL ? *gamma * scale[sel[i]] : *gamma;
         if (gate && clean_streak != NULL) recent[i] = recent_event_(clean_streak, events, sel[i], repeat_window);
     }
