@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "step-time": ("experiments.step_time", "optimizer step time side by side with peers (issue 2)"),
     "overhead": ("experiments.overhead", "resolution 'repair' vs 'off' on clean steps (issue 3)"),
     "kernels": ("experiments.kernels", "Triton NS5 / fused kernels on a GPU (issue 4)"),
+    "kernel-static": ("experiments.kernel_static", "fused kernels' registers, barriers, SASS for sm_90 (issue 4)"),
     "ablation": ("experiments.ablation", "case-study ablation on two offline tasks (issue 6)"),
     "questions": ("experiments.questions", "FusionOpt's open questions, one experiment each (issue 6)"),
     "watch-overhead": ("experiments.watch_overhead", "overhead of nonans_optim.watch() on CPU models"),

@@ -48,6 +48,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "aliasing": ("aliasing.json", "experiments.aliasing:render"),
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
+    "kernel-static": ("kernel_static.json", "experiments.kernel_static:render"),
     "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),
     "op-count": ("op_count.json", "experiments.op_count:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),

@@ -15,8 +15,9 @@ from ._multi import (_DIR_INF, _DIR_NAN, _ROW, _UPDATE_INF, _UPDATE_NAN, _add_co
 def _row_has_bad(g_ptr, C, look, BLOCK_C: tl.constexpr):
     """Whether the row's gradient has a non-finite entry, read only where ``look`` (its tensor's gradient had
     one: bit 3 of the decisions), in a loop of its own after the row's sums. Why not inside the sums' loop:
-    its accumulator and its reduction were paid by every row of every gated step (sm_90: 30 -> 54 registers,
-    1 -> 5 barriers with NorMuon), where only a step with a bad entry needs them."""
+    its accumulator and its reduction were paid by every row of every gated step (NorMuon rows "repair": 54
+    registers where "off" has 30, now 32 — `python -m experiments kernel-static`), where only a step with a
+    bad entry needs them."""
     bad = look & False
     if look:
         acc = tl.zeros((BLOCK_C,), dtype=tl.int32)
@@ -116,9 +117,9 @@ def _apply_block(p_ptr, z_ptr, o_ptr, rinv_ptr, idx, mask, col0, C, factor, HP, 
     Why packed: each ``tl.sum`` over a block is a cross-warp exchange through shared memory with its
     barriers. Counting NaN and non-finite y (and z) as separate sums took four of them in the schedule-free
     variant; one sum of the packed codes gives the same counts (at most 2 per entry, 4096 per block, fit 16
-    bits). Compiled for sm_90 (tests/test_kernels_aot.py's ``compile_for_hopper``, cuobjdump): gated
-    schedule-free 66 → 64 registers, 26 → 14 barriers in the PTX, 1384 → 1296 SASS instructions; gated
-    plain 48 → 40, 14 → 10, 976 → 960. The GPU time is for ``python -m experiments kernels`` to say."""
+    bits). Compiled for sm_90 (``python -m experiments kernel-static``, RESULTS.md): gated schedule-free
+    66 → 64 registers, 26 → 14 barriers in the PTX, 1384 → 1296 SASS instructions; gated plain 48 → 40,
+    14 → 10, 976 → 960. The GPU time is for ``python -m experiments kernels`` to say."""
     wd, c, coef = tl.load(HP + 2), tl.load(HP + 3), tl.load(HP + 4)
     rows = (col0 + idx) // C  # int32: the block's rows relative to its first
     o = _load(o_ptr, idx, mask, MASKED)
