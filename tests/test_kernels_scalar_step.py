@@ -246,6 +246,34 @@ def case_fp16_overflow_as_stored(device, sf):
     assert res[3][0, 1].tolist() == [0, 1]  # the moment stage: one overflow, as stored
 
 
+def case_z_overflow_alone(device):
+    """Schedule-free, one entry whose new z overflows while its new v and y stay finite (z near fp32's
+    maximum, p at 0, a step of lr 5e36 pushing z up): only the z term of the update kernel's speculative
+    test sees it, and the gated recomputation must keep z there and count one update overflow — the oracle's
+    verdict. Other entries are benign."""
+    from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
+
+    n = 64
+    hp = torch.tensor([0.1, 0.9, 0.1, 1e-8, 0.0, 0.5, -0.55], device=device)  # 1-β₁ β₂ 1-β₂ ε λ c coef
+    runs = []
+    for fn in (scalar_step_, scalar_step_reference_):
+        p, z, v, g = (torch.full((n,), x) for x in (0.1, 0.2, 1.0, 0.5))
+        p[5], z[5], g[5] = 0.0, 3.38e38, -1.0
+        p, z, v, g = (t.to(device) for t in (p, z, v, g))
+        res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+               torch.zeros(1, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+        fn([p], [g], [None], [v], [z], torch.tensor(5e36, device=device), res,
+           torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[1.0, 1.0]], device=device), hp,
+           sf=True, policy="repair", decay_z=False, factor=None)
+        runs.append((p, z, v, res[3]))
+    (p, z, v, dense), want = runs[0], runs[1]
+    for got_t, want_t in zip((p, z, v), want[:3]):
+        torch.testing.assert_close(got_t, want_t, rtol=1e-6, atol=0)
+    assert torch.equal(dense, want[3])
+    assert torch.isfinite(p).all() and torch.isfinite(z).all() and z[5] == 3.38e38 and p[5] > 1e38
+    assert dense[0, 3].tolist() == [0, 1] and int(dense.sum()) == 1  # the update stage: one overflow
+
+
 def _force_triton(monkeypatch):
     """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled"."""
     from nonans_optim.optimizers import _fused
@@ -365,6 +393,10 @@ def _define(device, marks=()):
         case_fp16_overflow_as_stored(device, sf)
 
     @mark
+    def test_z_overflow_alone():
+        case_z_overflow_alone(device)
+
+    @mark
     @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
     @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
     def test_optimizer_matches_loop(cls, policy, monkeypatch):
@@ -386,7 +418,8 @@ def _define(device, marks=()):
 
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
-            test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held, test_guard_scale_floor)
+            test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held, test_guard_scale_floor,
+            test_z_overflow_alone)
 
 
 # ops that launch nothing on a GPU (allocation, views, metadata)
@@ -497,7 +530,7 @@ if INTERPRETED:
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
      test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
      test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held,
-     test_guard_scale_floor) = _define("cpu")
+     test_guard_scale_floor, test_z_overflow_alone) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -532,7 +565,7 @@ else:
      test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
      test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does,
      test_gpu_recent_from_the_counters, test_gpu_lazy_decisions_read_only_what_can_be_held,
-     test_gpu_guard_scale_floor) = _define("cuda", marks=gpu)
+     test_gpu_guard_scale_floor, test_gpu_z_overflow_alone) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
