@@ -109,9 +109,11 @@ def _add_count(ROW, OFFSET: tl.constexpr, n):
 # a block with an event expands them into the int64 bit fields of its counts and sums those
 # (:func:`_packed_counts`): 108 registers (104 schedule-free), 14 barriers in the PTX, of which a clean
 # block runs the max's alone — and it skips the expansion, which is most of the counting's instructions
-# (the gated variant compiles to 2456 SASS instructions, 1720 without counts, off 1512). Static counts of
-# the compiled kernels: `python -m experiments kernel-static` (RESULTS.md, "kernel-static", before and after);
-# what it does to the time is for a GPU run of `python -m experiments kernels` to say (its per-kernel table).
+# (the gated variant compiles to 2456 SASS instructions, 1720 without counts, off 1512). Since then the
+# update speculates (scalar_step._speculative_block: 77 registers, three blocks per SM as "off"), and the
+# counts are packed only where it recomputes. Static counts of the compiled kernels: `python -m experiments
+# kernel-static` (RESULTS.md, "kernel-static", before and after); what they do to the time is for a GPU run
+# of `python -m experiments kernels` to say (its per-kernel table).
 _B_GRAD_NAN = tl.constexpr(0)
 _B_GRAD_INF = tl.constexpr(1)
 _B_MOMENT = tl.constexpr(2)

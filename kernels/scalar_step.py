@@ -24,7 +24,9 @@ Launches (no host synchronisation: every decision is read from device memory by 
    say on another Triton version, leaves the optimizer as it was: ``_fused_triton`` then falls back).
 3. ``_update_kernel``: per block, read p, g, m (or z), v once, write them once; detection, the gates and
    the counts in registers, one atomic per count only for a block that has something to count (a clean
-   step issues none).
+   step issues none). Under a policy a block first computes what "off" computes and tests it
+   (:func:`_speculative_block`); only a block where a gate would select something reads its inputs again
+   for the gated recomputation.
 
 Tensors are reached through a table of their addresses (int64, one row per tensor: p, g, m|z, v), turned
 back into typed pointers in the kernel; all tensors of one launch share one dtype (:func:`supported`; a
@@ -170,19 +172,13 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
 
 
 @triton.jit
-def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s, hold, keep_all,
-                  TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
-                  EMULATE: tl.constexpr, MASKED: tl.constexpr):
-    """The step of _compiled._one_tensor on one block, in place; returns its counts (grad NaN, grad ±Inf,
-    m/v overflow, update NaN, update ±Inf) packed in one int64 (:func:`._multi._packed_counts`), 0 without
-    GATE. Every gate tests the value as it will be stored (:func:`._elementwise.kept_finite`)."""
-    tl.static_assert(idx.shape[0] <= _PACK_BLOCK, "packed counts: a field holds at most 2 per entry")
+def _update_values(g, po, so, vo, hp_ptr, bc1, bc2, lr, s, hold, keep_all, TY: tl.constexpr, SF: tl.constexpr,
+                   GATE: tl.constexpr, DECAY_Z: tl.constexpr, EMULATE: tl.constexpr):
+    """The step of _compiled._one_tensor on loaded values: (new p, new v, new m or z, event codes — each
+    entry's events as the bits of one int32 (_multi._flag), 0 without GATE). Every gate tests the value
+    as it will be stored (:func:`._elementwise.kept_finite`)."""
     one_m_b1, b2, one_m_b2 = tl.load(hp_ptr), tl.load(hp_ptr + 1), tl.load(hp_ptr + 2)
     eps, wd, c, coef = tl.load(hp_ptr + 3), tl.load(hp_ptr + 4), tl.load(hp_ptr + 5), tl.load(hp_ptr + 6)
-    g = _load(g_ptr, idx, mask, MASKED)
-    po = _load(p_ptr, idx, mask, MASKED)
-    so = _load(s_ptr, idx, mask, MASKED)  # exp_avg, or z when schedule-free
-    vo = _load(v_ptr, idx, mask, MASKED)
     ok = _finite(g)
     gs = g * s  # s == 1.0 exactly unless the spike guard fired
     g2 = one_m_b2 * gs * gs
@@ -213,7 +209,8 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         d = tl.div_rn(tl.div_rn(mn, bc1), denom)
         y = po * (1.0 - lr * wd) - lr * d
         sn = mn
-    if GATE:  # each entry's events as the bits of one int32 (_multi._flag), counted after the stores
+    code = v_ok.to(tl.int32) * 0
+    if GATE:
         over = ok & ~v_ok  # new v overflowed with a finite g (the loop's moment stage)
         if not SF:  # entries where v or m overflowed, once each (functional/adam.py)
             over = ok & ~(v_ok & m_ok)
@@ -228,6 +225,22 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
         y = tl.where(keep_all, po, y)  # "skip": the tensor had a bad entry; counted, nothing written
         vn = tl.where(keep_all, vo, vn)
         sn = tl.where(keep_all, so, sn)
+    return y, vn, sn, code
+
+
+@triton.jit
+def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s, hold, keep_all,
+                  TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, DECAY_Z: tl.constexpr,
+                  EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """:func:`_update_values` on one block, in place; returns its counts (grad NaN, grad ±Inf, m/v overflow,
+    update NaN, update ±Inf) packed in one int64 (:func:`._multi._packed_counts`), 0 without GATE."""
+    tl.static_assert(idx.shape[0] <= _PACK_BLOCK, "packed counts: a field holds at most 2 per entry")
+    g = _load(g_ptr, idx, mask, MASKED)
+    po = _load(p_ptr, idx, mask, MASKED)
+    so = _load(s_ptr, idx, mask, MASKED)  # exp_avg, or z when schedule-free
+    vo = _load(v_ptr, idx, mask, MASKED)
+    y, vn, sn, code = _update_values(g, po, so, vo, hp_ptr, bc1, bc2, lr, s, hold, keep_all, TY, SF, GATE,
+                                     DECAY_Z, EMULATE)
     _store(p_ptr, idx, y, mask, TY, EMULATE, MASKED)
     _store(v_ptr, idx, vn, mask, TY, EMULATE, MASKED)
     _store(s_ptr, idx, sn, mask, TY, EMULATE, MASKED)
@@ -235,6 +248,52 @@ def _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, mask, hp_ptr, bc1, bc2, lr, s
     if GATE:
         total = _packed_counts(code, mask, MASKED)
         total = tl.where(hold, total & _BEFORE_UPDATE, total)  # a held tensor counts no update
+    return total
+
+
+@triton.jit
+def _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s, hold, keep_all,
+                       TY: tl.constexpr, SF: tl.constexpr, DECAY_Z: tl.constexpr, EMULATE: tl.constexpr,
+                       MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """A gated block as "off" computes it, verified: the stock arithmetic, one test of the new values — a
+    non-finite gradient entry makes its new v non-finite (NaN² is NaN, ±Inf² is Inf), an overflowing m
+    makes y so, and z can overflow alone — and the stores, unless the test (or the tensor's keep-all flag)
+    says a gate would select something: then the block is recomputed from memory, which nothing has written
+    yet, with the gates and the counts (:func:`_update_block`), half a block at a time. Returns the packed
+    counts.
+
+    Why: the gated arithmetic keeps every old value live until its select, and the counts' codes beside
+    them; on sm_90 the gated update held 108 registers against "off"'s 66 — two resident blocks per SM
+    instead of three — for selects that select nothing on a clean step. Here the clean path is "off"'s
+    arithmetic plus one test and one reduction, and the recomputation, at half a block, needs fewer
+    registers than the whole block did (``python -m experiments kernel-static``). A clean block stores
+    exactly what "off" stores: the same arithmetic, compiled without FMA contraction. The native loops
+    (``nonans_optim/native/scalar_avx512.h``) speculate the same way, four vectors at a time."""
+    idx = tl.arange(0, BLOCK)
+    mask = idx < rem
+    g = _load(g_ptr, idx, mask, MASKED)  # masked entries read 0: every new value there is finite
+    po = _load(p_ptr, idx, mask, MASKED)
+    so = _load(s_ptr, idx, mask, MASKED)
+    vo = _load(v_ptr, idx, mask, MASKED)
+    y, vn, sn, _ = _update_values(g, po, so, vo, hp_ptr, bc1, bc2, lr, s, hold, keep_all, TY, SF, False,
+                                  DECAY_Z, EMULATE)
+    if TY == tl.float32:  # a NaN or ±Inf in any term makes the sum non-finite (an overflowing sum only
+        fine = _finite(vn + y + sn)  # takes the exact path)
+    else:  # as stored: a 16-bit tensor's overflow is in the rounding, which a sum in fp32 would not see
+        fine = kept_finite(vn, TY, EMULATE) & kept_finite(y, TY, EMULATE) & kept_finite(sn, TY, EMULATE)
+    total = tl.zeros((), dtype=tl.int64)
+    # (a held tensor has no finite gradient entry, so its every block fails the test; "skip" keeps a whole
+    # tensor with one bad entry, so its clean blocks must not store either)
+    if (tl.min(fine.to(tl.int32), axis=0) == 1) & ~keep_all:
+        _store(p_ptr, idx, y, mask, TY, EMULATE, MASKED)
+        _store(v_ptr, idx, vn, mask, TY, EMULATE, MASKED)
+        _store(s_ptr, idx, sn, mask, TY, EMULATE, MASKED)
+    else:
+        HALF: tl.constexpr = BLOCK // 2
+        for h in tl.static_range(2):
+            sub = h * HALF + tl.arange(0, HALF)
+            total += _update_block(p_ptr, g_ptr, s_ptr, v_ptr, sub, sub < rem, hp_ptr, bc1, bc2, lr, s, hold,
+                                   keep_all, TY, SF, True, DECAY_Z, EMULATE, MASKED)
     return total
 
 
@@ -268,14 +327,20 @@ def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, 
     hold = (flags & 1) != 0
     keep_all = (flags & 2) != 0
     idx = tl.arange(0, BLOCK)
-    if rem >= BLOCK:
-        total = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all,
-                              TY, SF, GATE, DECAY_Z, EMULATE, False)
-    else:
-        total = _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all,
-                              TY, SF, GATE, DECAY_Z, EMULATE, True)
     if GATE:
+        if rem >= BLOCK:
+            total = _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, HP, bc1, bc2, lr, s, hold, keep_all, TY,
+                                       SF, DECAY_Z, EMULATE, False, BLOCK)
+        else:
+            total = _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, HP, bc1, bc2, lr, s, hold, keep_all, TY,
+                                       SF, DECAY_Z, EMULATE, True, BLOCK)
         _add_packed(DENSE + sel * _ROW, total)
+    elif rem >= BLOCK:
+        _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all, TY, SF,
+                      False, DECAY_Z, EMULATE, False)
+    else:
+        _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all, TY, SF,
+                      False, DECAY_Z, EMULATE, True)
 
 
 def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: bool, policy: str, decay_z: bool,
