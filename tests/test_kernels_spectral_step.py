@@ -161,6 +161,43 @@ def case_update_overflow_counts(device, cls, monkeypatch):
     assert not [e for e in updates[0] if e[1] == 1 and e[0] >= 3], updates[0]  # held: nothing counted
 
 
+def case_bf16_buffer_overflow_as_stored(device, monkeypatch):
+    """A bf16 momentum buffer at bf16's largest value and a gradient of 3.4e38 — finite in fp32, where the
+    kernels compute — make, at momentum 0.2, a new buffer entry (3.3979e38) that is finite in fp32 and +Inf
+    once stored in bf16 (above 3.3962e38 it rounds up): the write kernel's speculative test must see it as
+    stored (the gated path keeps the old value and counts a moment overflow), never write the Inf. Against
+    the loop, which updates in fp32 and rounds on the write too."""
+    _force_triton(monkeypatch)
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(0.1 * torch.randn(16, 24).to(device))]
+        opt = no.Muon([{"params": ps, "path": "spectral"}], lr=1e-2, momentum=0.2, ns5_dtype="fp32",
+                      momentum_dtype="bf16", spike_factor=None, impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(3):
+            g = torch.randn(16, 24, generator=gen)
+            if t == 1:
+                opt.state[ps[0]]["momentum_buffer"][3, 7] = torch.finfo(torch.bfloat16).max
+                g[3, 7] = 3.4e38
+            ps[0].grad = g.to(device)
+            opt.step()
+            assert all(torch.isfinite(x).all() for x in state_tensors_of(opt, ps))
+            if t == 1:  # kept
+                assert opt.state[ps[0]]["momentum_buffer"][3, 7].item() == torch.finfo(torch.bfloat16).max
+        runs.append((ps, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+    assert [e[2] for e in event_tuples(got_opt)] == ["moment"], event_tuples(got_opt)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=2e-3)
+
+
+def state_tensors_of(opt, params):
+    """Every floating tensor of the parameters and their state."""
+    return [*params, *(v for q in params for v in opt.state[q].values()
+                       if isinstance(v, torch.Tensor) and v.is_floating_point())]
+
+
 def case_bf16_buffer_and_ns5_input(device, cls, monkeypatch):
     """A bf16 momentum buffer (rounded once per write, its overflow tested as stored) and a bf16 NS5 input:
     the loop does the same in bf16 tensors, so the two agree to bf16's resolution, not bit for bit."""
@@ -305,6 +342,10 @@ def _define(device, marks=()):
         case_update_overflow_counts(device, cls, monkeypatch)
 
     @mark
+    def test_bf16_buffer_overflow_as_stored(monkeypatch):
+        case_bf16_buffer_overflow_as_stored(device, monkeypatch)
+
+    @mark
     @pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
     def test_bf16_buffer_and_ns5_input(cls, monkeypatch):
         case_bf16_buffer_and_ns5_input(device, cls, monkeypatch)
@@ -335,7 +376,7 @@ def _define(device, marks=()):
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop,
-            test_update_overflow_counts)
+            test_update_overflow_counts, test_bf16_buffer_overflow_as_stored)
 
 
 if INTERPRETED:
@@ -373,7 +414,7 @@ if INTERPRETED:
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
      test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
      test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop,
-     test_update_overflow_counts) = _define("cpu")
+     test_update_overflow_counts, test_bf16_buffer_overflow_as_stored) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -383,7 +424,8 @@ else:
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
      test_gpu_skip_keeps_kl_damping, test_gpu_tensors_on_different_first_steps, test_gpu_clean_repair_is_off,
      test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels,
-     test_gpu_kl_batched_matches_loop, test_gpu_update_overflow_counts) = _define("cuda", marks=gpu)
+     test_gpu_kl_batched_matches_loop, test_gpu_update_overflow_counts,
+     test_gpu_bf16_buffer_overflow_as_stored) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
