@@ -60,10 +60,9 @@ import triton.language as tl
 from nonans_optim._transfer import to_device
 from nonans_optim.functional.normuon import RMS_TARGET
 
-from ._cast import cast_rtne
 from ._elementwise import elementwise_block, kept_finite, policy_code
 from ._multi import (_GRAD_INF, _GRAD_NAN, _MOMENT_INF, _ROW, _SPIKE, _add_count, _block, _column, _finite, _layout,
-                     _lerp, _load, address_table)
+                     _lerp, _load, _store, address_table)
 from ._multi import supported as one_launch
 from ._runtime import interpreting, on_device, tl_dtype
 from ._spectral_post import _apply_kernel, _rows_kernel, _scale_kernel
@@ -124,15 +123,14 @@ def _momentum(g, bo, po, ao, s, HP, first, NESTEROV: tl.constexpr, GATE: tl.cons
 
 
 @triton.jit
-def _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV: tl.constexpr, GATE: tl.constexpr,
+def _pre_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, NESTEROV: tl.constexpr, GATE: tl.constexpr,
                MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, ALIGNED: tl.constexpr,
-               EMULATE: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """One block's inputs and momentum: (M, new buffer, old buffer, g, g finite, overflow, MONA's old and
-    new G_prev and A, idx, mask). MONA_ADDR: rows (G_prev, A, -, -) of the address table, one per tensor."""
+               EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """The inputs at ``idx`` of a block and their momentum: (M, new buffer, old buffer, g, g finite, overflow,
+    MONA's old and new G_prev and A). MONA_ADDR: rows (G_prev, A, -, -) of the address table, one per
+    tensor."""
     g_ptr = _column(ADDR, t, 1, G_TY, start, ALIGNED)
     b_ptr = _column(ADDR, t, 0, BUF_TY, start, ALIGNED)
-    idx = tl.arange(0, BLOCK)
-    mask = idx < rem
     g = _load(g_ptr, idx, mask, MASKED)  # masked entries read 0: M = 0 there, no square
     bo = _load(b_ptr, idx, mask, MASKED)
     po, ao = g, g
@@ -142,7 +140,7 @@ def _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV: tl.constexpr, GA
         ao = _load(_column(MONA_ADDR, t, 1, tl.float32, start, ALIGNED), idx, mask, MASKED)
         first = tl.load(HP + 4 + t) != 0.0
     M, nb, ok, over, pn, an = _momentum(g, bo, po, ao, s, HP, first, NESTEROV, GATE, MONA, BUF_TY, EMULATE)
-    return M, nb, bo, g, ok, over, po, ao, pn, an, idx, mask
+    return M, nb, bo, g, ok, over, po, ao, pn, an
 
 
 @triton.jit
@@ -155,12 +153,13 @@ def _msq_kernel(ADDR, MONA_ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, DEC, MSQ, NESTE
     s = 1.0
     if GUARD:
         s = tl.load(DEC + 2 * t)
+    idx = tl.arange(0, BLOCK)
     if rem >= BLOCK:
-        M, _, _, _, _, _, _, _, _, _, _, _ = _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE,
-                                                        MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK, False)
+        M, _, _, _, _, _, _, _, _, _ = _pre_block(ADDR, MONA_ADDR, t, start, idx, idx < rem, HP, s, NESTEROV, GATE,
+                                                  MONA, G_TY, BUF_TY, ALIGNED, EMULATE, False)
     else:
-        M, _, _, _, _, _, _, _, _, _, _, _ = _pre_block(ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE,
-                                                        MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK, True)
+        M, _, _, _, _, _, _, _, _, _ = _pre_block(ADDR, MONA_ADDR, t, start, idx, idx < rem, HP, s, NESTEROV, GATE,
+                                                  MONA, G_TY, BUF_TY, ALIGNED, EMULATE, True)
     m64 = M.to(tl.float64)
     tl.store(MSQ + pid, tl.sum(m64 * m64, axis=0))
 
@@ -202,49 +201,87 @@ def _write_kernel(ADDR, MONA_ADDR, NUMEL, FIRST, BLOCK_TENSOR, HP, INV, SEL, DEC
                 spike_row = DENSE + sel * _ROW
                 tl.store(spike_row + _SPIKE, tl.load(spike_row + _SPIKE) + ((flags >> 2) & 1).to(tl.int64))
     inv = tl.load(INV + t)
-    b_ptr = _column(ADDR, t, 0, BUF_TY, start, ALIGNED)
-    x_ptr = _column(ADDR, t, 2, X_TY, start, ALIGNED)
-    if rem >= BLOCK:
-        M, nb, bo, g, ok, over, po, ao, pn, an, idx, mask = _pre_block(
-            ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE, MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK,
-            False)
-        masked = False
-    else:
-        M, nb, bo, g, ok, over, po, ao, pn, an, idx, mask = _pre_block(
-            ADDR, MONA_ADDR, t, start, rem, HP, s, NESTEROV, GATE, MONA, G_TY, BUF_TY, ALIGNED, EMULATE, BLOCK,
-            True)
-        masked = True
-    x = (M.to(tl.float64) * inv).to(tl.float32)
-    nb = tl.where(keep_all, bo, nb)
-    if masked:
-        tl.store(x_ptr + idx, cast_rtne(x, X_TY, EMULATE), mask=mask)
-        tl.store(b_ptr + idx, cast_rtne(nb, BUF_TY, EMULATE), mask=mask)
-    else:
-        tl.store(x_ptr + idx, cast_rtne(x, X_TY, EMULATE))
-        tl.store(b_ptr + idx, cast_rtne(nb, BUF_TY, EMULATE))
-    if MONA:
-        p_ptr = _column(MONA_ADDR, t, 0, tl.float32, start, ALIGNED)
-        a_ptr = _column(MONA_ADDR, t, 1, tl.float32, start, ALIGNED)
-        pn = tl.where(keep_all, po, pn)
-        an = tl.where(keep_all, ao, an)
-        if masked:
-            tl.store(p_ptr + idx, pn, mask=mask)
-            tl.store(a_ptr + idx, an, mask=mask)
-        else:
-            tl.store(p_ptr + idx, pn)
-            tl.store(a_ptr + idx, an)
     if GATE:
+        if rem >= BLOCK:
+            total = _write_speculative(ADDR, MONA_ADDR, t, start, rem, HP, s, inv, keep_all, NESTEROV, MONA, G_TY,
+                                       BUF_TY, X_TY, ALIGNED, EMULATE, False, BLOCK)
+        else:
+            total = _write_speculative(ADDR, MONA_ADDR, t, start, rem, HP, s, inv, keep_all, NESTEROV, MONA, G_TY,
+                                       BUF_TY, X_TY, ALIGNED, EMULATE, True, BLOCK)
         row = DENSE + sel * _ROW
-        # the block's NaN g, non-finite g and moment-overflow counts as 16-bit fields of one int64: one
-        # reduction, not three (`python -m experiments kernel-static`, SF-NorMuon's default: 73 → 76 registers,
-        # both allocated as 80; 11 → 7 barriers in the PTX; 904 → 880 SASS instructions)
-        tl.static_assert(BLOCK < 65536, "the packed gradient counts hold 1 per entry in 16 bits")
-        code = (g != g).to(tl.int64) + ((~ok).to(tl.int64) << 16) + (over.to(tl.int64) << 32)
-        total = tl.sum(tl.where(mask, code, 0), axis=0)
         gn, gb = total & 65535, (total >> 16) & 65535
         _add_count(row, _GRAD_NAN, gn)
         _add_count(row, _GRAD_INF, gb - gn)
         _add_count(row, _MOMENT_INF, total >> 32)
+    else:
+        idx = tl.arange(0, BLOCK)
+        if rem >= BLOCK:
+            _write_block(ADDR, MONA_ADDR, t, start, idx, idx < rem, HP, s, inv, keep_all, NESTEROV, False, MONA,
+                         G_TY, BUF_TY, X_TY, ALIGNED, EMULATE, False)
+        else:
+            _write_block(ADDR, MONA_ADDR, t, start, idx, idx < rem, HP, s, inv, keep_all, NESTEROV, False, MONA,
+                         G_TY, BUF_TY, X_TY, ALIGNED, EMULATE, True)
+
+
+@triton.jit
+def _write_out(ADDR, MONA_ADDR, t, start, idx, mask, x, nb, pn, an, MONA: tl.constexpr, BUF_TY: tl.constexpr,
+               X_TY: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """Store a block's X (hot dtype), new buffer and MONA's G_prev and A at ``idx``."""
+    _store(_column(ADDR, t, 2, X_TY, start, ALIGNED), idx, x, mask, X_TY, EMULATE, MASKED)
+    _store(_column(ADDR, t, 0, BUF_TY, start, ALIGNED), idx, nb, mask, BUF_TY, EMULATE, MASKED)
+    if MONA:
+        _store(_column(MONA_ADDR, t, 0, tl.float32, start, ALIGNED), idx, pn, mask, tl.float32, EMULATE, MASKED)
+        _store(_column(MONA_ADDR, t, 1, tl.float32, start, ALIGNED), idx, an, mask, tl.float32, EMULATE, MASKED)
+
+
+@triton.jit
+def _write_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, inv, keep_all, NESTEROV: tl.constexpr,
+                 GATE: tl.constexpr, MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr,
+                 X_TY: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr):
+    """The write kernel's work at ``idx``: the new buffers (kept whole under keep-all) and X = M·inv; under
+    GATE its NaN g, non-finite g and moment-overflow counts as 16-bit fields of one int64 (one reduction,
+    not three; at most one event per entry, so BLOCK < 65536 entries fit), else 0."""
+    M, nb, bo, g, ok, over, po, ao, pn, an = _pre_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, NESTEROV,
+                                                        GATE, MONA, G_TY, BUF_TY, ALIGNED, EMULATE, MASKED)
+    x = (M.to(tl.float64) * inv).to(tl.float32)
+    _write_out(ADDR, MONA_ADDR, t, start, idx, mask, x, tl.where(keep_all, bo, nb), tl.where(keep_all, po, pn),
+               tl.where(keep_all, ao, an), MONA, BUF_TY, X_TY, ALIGNED, EMULATE, MASKED)
+    total = tl.zeros((), dtype=tl.int64)
+    if GATE:
+        tl.static_assert(idx.shape[0] < 65536, "the packed gradient counts hold 1 per entry in 16 bits")
+        code = (g != g).to(tl.int64) + ((~ok).to(tl.int64) << 16) + (over.to(tl.int64) << 32)
+        total = tl.sum(tl.where(mask, code, 0), axis=0)
+    return total
+
+
+@triton.jit
+def _write_speculative(ADDR, MONA_ADDR, t, start, rem, HP, s, inv, keep_all, NESTEROV: tl.constexpr,
+                       MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, X_TY: tl.constexpr,
+                       ALIGNED: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """A gated block of the write kernel as "off" computes it, verified (scalar_step._speculative_block's
+    method): the stock momentum, one test of the new buffer as stored — a non-finite g makes it non-finite,
+    and so does MONA's A where it overflows (G + α·A feeds the buffer), and a value that rounds to ±Inf in
+    a bf16 buffer — and the stores, unless the test fails or the tensor is kept whole ("skip"): then the
+    block is computed again from memory, with the gates and counts, half a block at a time. Returns the
+    packed counts. Where the test passes no gate would have selected anything, so the stock values are the
+    gated ones. sm_90 (``python -m experiments kernel-static``): the gated variants held 73-112 registers
+    against "off"'s 48, three or two resident blocks per SM instead of five."""
+    idx = tl.arange(0, BLOCK)
+    mask = idx < rem
+    M, nb, _, _, _, _, _, _, pn, an = _pre_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, NESTEROV, False,
+                                                 MONA, G_TY, BUF_TY, ALIGNED, EMULATE, MASKED)
+    fine = kept_finite(nb, BUF_TY, EMULATE)  # (masked entries read 0: finite)
+    total = tl.zeros((), dtype=tl.int64)
+    if (tl.min(fine.to(tl.int32), axis=0) == 1) & ~keep_all:
+        _write_out(ADDR, MONA_ADDR, t, start, idx, mask, (M.to(tl.float64) * inv).to(tl.float32), nb, pn, an, MONA,
+                   BUF_TY, X_TY, ALIGNED, EMULATE, MASKED)
+    else:
+        HALF: tl.constexpr = BLOCK // 2
+        for h in tl.static_range(2):
+            sub = h * HALF + tl.arange(0, HALF)
+            total += _write_block(ADDR, MONA_ADDR, t, start, sub, sub < rem, HP, s, inv, keep_all, NESTEROV, True,
+                                  MONA, G_TY, BUF_TY, X_TY, ALIGNED, EMULATE, MASKED)
+    return total
 
 
 def supported(params, grads, bufs, zs, vs, monas=()) -> bool:
