@@ -109,6 +109,16 @@ def _spectral_write(gate: bool, guard: bool, mona: bool) -> tuple[Callable, dict
                                         BUF_TY=tl.bfloat16, X_TY=tl.bfloat16, ALIGNED=True, EMULATE=False)
 
 
+def _spectral_msq(gate: bool, guard: bool) -> tuple[Callable, dict, dict]:
+    import triton.language as tl
+    from nonans_optim.kernels import spectral_step as k
+
+    types = dict(ADDR="*i64", MONA_ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", HP="*fp32",
+                 DEC="*fp32" if guard else "*fp64", MSQ="*fp64")
+    return k._msq_kernel, types, dict(NESTEROV=True, GATE=gate, GUARD=guard, MONA=False, G_TY=tl.float32,
+                                      BUF_TY=tl.bfloat16, ALIGNED=True, EMULATE=False)
+
+
 def _spectral_rows(gate: bool) -> tuple[Callable, dict, dict]:
     import triton.language as tl
     from nonans_optim.kernels import _spectral_post as k
@@ -143,6 +153,8 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple[Callable, dict, dict]]]] = [
     # the launch shape python -m experiments kernels sweeps: 1024 x 8 warps holds 4 entries per thread, not 8
     ("(SF-)AdamW update", "AdamW, off, 1024 x 8", lambda: _scalar_update(False, False)),
     ("(SF-)AdamW update", "AdamW, repair, 1024 x 8", lambda: _scalar_update(False, True)),
+    ("spectral norm", "off", lambda: _spectral_msq(False, False)),
+    ("spectral norm", "repair, guard (SFNorMuon, Muon)", lambda: _spectral_msq(True, True)),
     ("spectral write", "off", lambda: _spectral_write(False, False, False)),
     ("spectral write", "repair, no guard", lambda: _spectral_write(True, False, False)),
     ("spectral write", "repair, guard (SFNorMuon, Muon)", lambda: _spectral_write(True, True, False)),
