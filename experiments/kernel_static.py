@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import re
@@ -34,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from experiments.questions_io import ROOT, checkout_commit, publish
+from experiments.questions_io import ROOT, attach_baseline, checkout_commit, publish
 
 __all__ = ["VARIANTS", "compile_sm90", "resources", "blocks_per_sm", "run", "render", "main"]
 
@@ -225,11 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 replaces the compiler with the interpreter: unset it to compile for sm_90")
-    data = run()
-    if args.baseline:
-        base = json.loads(Path(args.baseline).read_text())
-        base.pop("baseline", None)
-        data["baseline"] = base
+    data = attach_baseline(run(), args.baseline)
     publish(data, Path(args.out), render(data), args.results_md, "kernel-static",
             "Static sm_90 resources of the fused kernels (issue 4)")
     return 0

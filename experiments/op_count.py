@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments._models import DEFAULT, build_gpt, synthetic_grads
-from experiments.questions_io import ROOT, checkout_commit, fmt, publish
+from experiments.questions_io import ROOT, attach_baseline, checkout_commit, fmt, publish
 
 __all__ = ["TorchOps", "count_ops", "ops_by_policy", "run", "render", "main"]
 
@@ -132,11 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "results" / "op_count.json"))
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)
-    data = run()
-    if args.baseline:
-        base = json.loads(Path(args.baseline).read_text())
-        base.pop("baseline", None)
-        data["baseline"] = base
+    data = attach_baseline(run(), args.baseline)
     publish(data, Path(args.out), render(data), args.results_md, "op-count",
             "Torch ops per clean step: what \"repair\" adds to the eager paths (issue 3)")
     return 0

@@ -110,6 +110,16 @@ def replace_section(path: Path, name: str, body: str, *, title: str | None = Non
     path.write_text(text)
 
 
+def attach_baseline(data: dict[str, Any], baseline: str | None) -> dict[str, Any]:
+    """``data`` with the JSON at ``baseline`` (the same command's output from another commit, its own
+    baseline dropped) under "baseline", for a table that shows both; ``data`` unchanged when None."""
+    if baseline:
+        base = json.loads(Path(baseline).read_text())
+        base.pop("baseline", None)
+        data["baseline"] = base
+    return data
+
+
 def publish(data: dict[str, Any], out: Path, text: str, results_md: str, key: str, title: str) -> None:
     """Write a benchmark's JSON, print its rendered table and (unless ``results_md`` is '') put the table
     into that file's ``key`` section — the one path from a command's output to RESULTS.md."""

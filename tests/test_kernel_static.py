@@ -49,3 +49,16 @@ def test_render_with_a_baseline_marks_rows_it_lacks():
     assert "| k | v | 8 | 40 | 6 | 2 | 900 | 48 | 5 | 2 | 900 |" in text
     assert "| k | new | 8 | 40 | 6 | 2 | 900 | — | — | — | — |" in text
     assert "before" not in ks.render({"meta": meta, "rows": [row]})
+
+
+def test_attach_baseline_drops_the_baselines_own(tmp_path):
+    """``--baseline`` (kernel-static, op-count): the other run is embedded, without its own baseline."""
+    import json
+
+    from experiments.questions_io import attach_baseline
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"meta": {"commit": "0000000"}, "rows": [1], "baseline": {"rows": [0]}}))
+    data = attach_baseline({"meta": {"commit": "abc1234"}, "rows": [2]}, str(other))
+    assert data["baseline"] == {"meta": {"commit": "0000000"}, "rows": [1]}
+    assert "baseline" not in attach_baseline({"rows": []}, None)
