@@ -157,6 +157,7 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple[Callable, dict, dict]]]] = [
     ("spectral write", "off", lambda: _spectral_write(False, False, False)),
     ("spectral write", "repair, no guard", lambda: _spectral_write(True, False, False)),
     ("spectral write", "repair, guard (SFNorMuon, Muon)", lambda: _spectral_write(True, True, False)),
+    ("spectral write", "off, MONA (FullFusion)", lambda: _spectral_write(False, False, True)),
     ("spectral write", "repair, guard, MONA (FullFusion)", lambda: _spectral_write(True, True, True)),
     ("NorMuon rows", "off", lambda: _spectral_rows(False)),
     ("NorMuon rows", "repair", lambda: _spectral_rows(True)),
