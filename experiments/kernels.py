@@ -37,7 +37,8 @@ from typing import Any, Callable
 import torch
 
 from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, bench_spectral_step,
-                                      device_time_per_step, render_fused_step, render_spectral_step, render_sweep)
+                                      device_time_per_step, gbps, render_fused_step, render_spectral_step,
+                                      render_sweep)
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "results" / "kernels.json"
@@ -198,7 +199,7 @@ def bench_elementwise(timer, device, numel: int, log) -> dict[str, Any]:
     for policy in ("repair", "skip", "off"):
         ms = timer(lambda: fused_adamw_(p, g, m, v, counters, policy=policy, **hyper))
         out[f"adamw_{policy}_ms"] = ms
-        out[f"adamw_{policy}_gbps"] = 28.0 * numel / (ms * 1e-3) / 1e9
+        out[f"adamw_{policy}_gbps"] = gbps(28.0, numel, ms)
     out["adamw_reference_ms"] = timer(lambda: fused_adamw_reference_(p, g, m, v, counters, policy="repair",
                                                                      **hyper))
     q = p.clone().requires_grad_(True)
@@ -206,7 +207,7 @@ def bench_elementwise(timer, device, numel: int, log) -> dict[str, Any]:
     opt = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.01, fused=device.type == "cuda")
     out["torch_adamw_fused_ms" if device.type == "cuda" else "torch_adamw_ms"] = timer(opt.step)
     ms = timer(lambda: momentum_update_(m, g, counters, beta=0.95, policy="repair"))
-    out["momentum_repair_ms"], out["momentum_repair_gbps"] = ms, 12.0 * numel / (ms * 1e-3) / 1e9
+    out["momentum_repair_ms"], out["momentum_repair_gbps"] = ms, gbps(12.0, numel, ms)
     out["momentum_reference_ms"] = timer(lambda: momentum_update_reference_(m, g, counters, beta=0.95))
     log(f"  AdamW repair {out['adamw_repair_ms']:.3f} ms = {out['adamw_repair_gbps']:.0f} GB/s; skip (two-pass) "
         f"{out['adamw_skip_ms']:.3f} ms; off {out['adamw_off_ms']:.3f} ms; torch reference "

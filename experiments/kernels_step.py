@@ -19,7 +19,7 @@ from unittest import mock
 
 import torch
 
-__all__ = ["CONFIGS", "bench_fused_step", "device_time_per_step", "render_fused_step", "bench_block_sweep",
+__all__ = ["CONFIGS", "gbps", "bench_fused_step", "device_time_per_step", "render_fused_step", "bench_block_sweep",
            "render_sweep", "bench_spectral_step", "render_spectral_step"]
 
 # Bytes each arm of the fused step must move per fp32 entry. Until 2026-11-26 "repair" was counted at 32,
@@ -36,9 +36,14 @@ def _on_triton():
     return mock.patch.dict(os.environ, {"NONANS_FUSED_BACKEND": "triton"})
 
 
-def _with_grads(size: int, tensors: int, device) -> list[torch.Tensor]:
-    """``tensors`` fresh fp32 parameters of ``size`` entries, each with a small random gradient."""
-    params = [torch.randn(size, device=device, requires_grad=True) for _ in range(tensors)]
+def gbps(bytes_per_entry: float, numel: int, ms: float) -> float:
+    """GB/s of a pass that moves ``bytes_per_entry`` bytes for each of ``numel`` entries in ``ms``."""
+    return bytes_per_entry * numel / (ms * 1e-3) / 1e9
+
+
+def _with_grads(shape, tensors: int, device, scale: float = 1.0) -> list[torch.Tensor]:
+    """``tensors`` fresh fp32 parameters of ``shape``, ``scale``·randn, each with a 0.01·randn gradient."""
+    params = [(scale * torch.randn(shape, device=device)).requires_grad_(True) for _ in range(tensors)]
     for q in params:
         q.grad = torch.randn_like(q) * 1e-2
     return params
@@ -70,7 +75,7 @@ def bench_fused_step(timer, device, numel: int, log, tensors: int = 8) -> dict[s
                 out.setdefault("device_us", {})[name] = device_time_per_step(opt.step)
     out["bytes_per_entry"] = BYTES_PER_ENTRY
     for name, nbytes in BYTES_PER_ENTRY.items():
-        out[f"{name}_gbps"] = nbytes * out["numel"] / (out[f"{name}_ms"] * 1e-3) / 1e9
+        out[f"{name}_gbps"] = gbps(nbytes, out["numel"], out[f"{name}_ms"])
     out["repair_vs_off"] = out["repair_ms"] / out["off_ms"]
     out["repair_vs_torch_fused"] = out["repair_ms"] / out["torch_fused_ms"]
     log(f"  AdamW(impl='fused') x{tensors} tensors: repair {out['repair_ms']:.3f} ms "
@@ -112,9 +117,9 @@ def render_fused_step(f: dict[str, Any] | None, copy_gbps: float) -> list[str]:
     nbytes = f.get("bytes_per_entry", BYTES_PER_ENTRY)
     for arm, label in (("repair", 'AdamW(impl="fused") repair'), ("off", 'AdamW(impl="fused") off'),
                        ("torch_fused", "torch.optim.AdamW(fused=True)")):
-        gbps = nbytes[arm] * f["numel"] / (f[arm + "_ms"] * 1e-3) / 1e9
+        rate = gbps(nbytes[arm], f["numel"], f[arm + "_ms"])
         lines.append(f"| {label}, {f['tensors']} tensors, {f['numel']:,} entries | {_ms(f[arm + '_ms'])} | "
-                     f"{gbps:.0f} | {gbps / copy_gbps:.2f} |")
+                     f"{rate:.0f} | {rate / copy_gbps:.2f} |")
     lines.append(f"\nAdamW(impl=\"fused\") repair / off: {f['repair_vs_off']:.3f}; repair / torch fused: "
                  f"{f['repair_vs_torch_fused']:.3f}. Target: the fused elementwise kernel at ≥ 0.80 of the copy "
                  "bandwidth.")
@@ -184,9 +189,7 @@ def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, pr
         for cls in (no.SFNorMuon, no.FullFusion):
             for policy in ("repair", "off"):
                 torch.manual_seed(0)
-                params = [torch.nn.Parameter(0.02 * torch.randn(shape, device=device)) for _ in range(matrices)]
-                for q in params:
-                    q.grad = 0.01 * torch.randn_like(q)
+                params = _with_grads(shape, matrices, device, scale=0.02)
                 opt = cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused", resolution=policy)
                 row: dict[str, Any] = {"optimizer": cls.__name__, "policy": policy, "shape": list(shape),
                                        "matrices": matrices, "ms": timer(opt.step)}
