@@ -62,7 +62,7 @@ from nonans_optim.functional.normuon import RMS_TARGET
 
 from ._elementwise import elementwise_block, kept_finite, policy_code
 from ._multi import (_GRAD_INF, _GRAD_NAN, _MOMENT_INF, _ROW, _SPIKE, _add_count, _block, _column, _finite, _layout,
-                     _lerp, _load, _store, address_table)
+                     _lerp, _load, _store, _sum_masked, address_table)
 from ._multi import supported as one_launch
 from ._runtime import interpreting, on_device, tl_dtype
 from ._spectral_post import _apply_kernel, _rows_kernel, _scale_kernel
@@ -250,7 +250,7 @@ def _write_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, inv, keep_all, NES
     if GATE:
         tl.static_assert(idx.shape[0] < 65536, "the packed gradient counts hold 1 per entry in 16 bits")
         code = (g != g).to(tl.int64) + ((~ok).to(tl.int64) << 16) + (over.to(tl.int64) << 32)
-        total = tl.sum(tl.where(mask, code, 0), axis=0)
+        total = _sum_masked(code, mask, MASKED)
     return total
 
 
