@@ -77,6 +77,13 @@ def _step(fn, case, *, sf, policy, factor, upcast=False, copy=torch.clone):
     return ps, ms, vs, res
 
 
+def _one_param_res(device, ema: float = 0.0):
+    """The Resolution tensors ``scalar_step_`` takes for one parameter: scale 1, no recent event, the guard's
+    norm EMA at ``ema``, an empty (1, S, 2) count block."""
+    return (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+            torch.full((1,), ema, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+
+
 # ----------------------------------------------------------------------------------------------- cases
 def case_kernel_matches_oracle(device, sf, policy, factor, dtype):
     from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
@@ -118,8 +125,7 @@ def case_guard_scale_floor(device, sf):
     g = (torch.rand(n, generator=gen) + 0.5) * 1e37  # finite; norm ≈ 1.7e38 (fp64), ema·factor = 1e-8
     zeros = torch.zeros(n, device=device)  # fresh state: the scaled gradient is all that moves it
     base = ([zeros.clone()], [g.to(device)], [zeros.clone()], [zeros.clone()])
-    res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
-           torch.full((1,), 1e-9, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+    res = _one_param_res(device, ema=1e-9)
     sel, bcs = torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[0.1, 0.01]], device=device)
     hp, gamma = torch.tensor(HP, dtype=torch.float32, device=device), torch.tensor(1e-2, device=device)
     out = []
@@ -234,8 +240,7 @@ def case_fp16_overflow_as_stored(device, sf):
     p, m, v = t([0.5] * n), t([0.1] * n), t([0.01] * n)
     g = t([1.0] * n)
     g[5] = 3e4
-    res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
-           torch.zeros(1, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+    res = _one_param_res(device)
     v_before = v.clone()
     scalar_step_([p], [g], [None] if sf else [m], [v], [m] if sf else [None], torch.tensor(1e-3, device=device),
                  res, torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[0.1, 0.001]], device=device),
@@ -260,8 +265,7 @@ def case_z_overflow_alone(device):
         p, z, v, g = (torch.full((n,), x) for x in (0.1, 0.2, 1.0, 0.5))
         p[5], z[5], g[5] = 0.0, 3.38e38, -1.0
         p, z, v, g = (t.to(device) for t in (p, z, v, g))
-        res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
-               torch.zeros(1, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+        res = _one_param_res(device)
         fn([p], [g], [None], [v], [z], torch.tensor(5e36, device=device), res,
            torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[1.0, 1.0]], device=device), hp,
            sf=True, policy="repair", decay_z=False, factor=None)
