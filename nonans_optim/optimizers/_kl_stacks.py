@@ -153,7 +153,7 @@ def _step_stack(M, rows, step, params, grads, states, group, scales, oks, keep_d
     if before is not None:  # a "skip" tensor's damping put back: True, False or decided on the device
         keep = torch.stack([k if isinstance(k, torch.Tensor) else
                             torch.full((), k, dtype=torch.bool, device=M.device) for k in keeps])
-        torch.where(keep, before, st["kl_damping"], out=st["kl_damping"])
+        _restore_damping(st["kl_damping"], before, keep)
     for k in STATE_KEYS:  # back into each parameter's own state tensors: one multi-tensor copy per key
         torch._foreach_copy_([states[i][k] for i in rows], list(st[k].unbind(0)))
     return internal_bad, bypassed
