@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._runtime import on_device
 
-__all__ = ["record_step_", "BLOCK_P"]
+__all__ = ["record_step_", "record", "BLOCK_P"]
 
 BLOCK_P = 64  # parameters per loop iteration: a (64, 8) tile of int64 counts is 4 KiB per operand
 
@@ -34,6 +34,19 @@ def _record_kernel(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HE
                    ESCALATIONS, NUMEL, step, P, K, backoff, min_scale, growth, window,
                    S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
                    CONSUME: tl.constexpr, BLOCK_P: tl.constexpr):
+    record(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, SCALE, STREAK, ESCALATIONS,
+           NUMEL, step, P, K, backoff, min_scale, growth, window, S, S_PAD, LOSS, GRAD, CONSUME, False, BLOCK_P)
+
+
+@triton.jit
+def record(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, SCALE, STREAK, ESCALATIONS,
+           NUMEL, step, P, K, backoff, min_scale, growth, window, S: tl.constexpr, S_PAD: tl.constexpr,
+           LOSS: tl.constexpr, GRAD: tl.constexpr, CONSUME: tl.constexpr, FRESH: tl.constexpr,
+           BLOCK_P: tl.constexpr):
+    """The record of :func:`_record_kernel`, for one program — also the last program of
+    ``scalar_one.py``'s launch, which folds the counts the other programs of that launch added to SC:
+    FRESH reads SC through L2 only (``.cg``), never from an L1 line this SM may hold from before those
+    atomics (the other counters are written only here)."""
     ptr = tl.load(RING_PTR)
     slot = ptr % K
     s = tl.arange(0, S_PAD)
@@ -45,8 +58,12 @@ def _record_kernel(SC, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HE
         p_ok = p < P
         m2 = p_ok[:, None] & s_ok[None, :]
         cell = p[:, None] * S + s[None, :]  # (parameter, stage) in a (P, S) block
-        nan = tl.load(SC + 2 * cell, mask=m2, other=0)
-        inf = tl.load(SC + 2 * cell + 1, mask=m2, other=0)
+        if FRESH:
+            nan = tl.load(SC + 2 * cell, mask=m2, other=0, cache_modifier=".cg")
+            inf = tl.load(SC + 2 * cell + 1, mask=m2, other=0, cache_modifier=".cg")
+        else:
+            nan = tl.load(SC + 2 * cell, mask=m2, other=0)
+            inf = tl.load(SC + 2 * cell + 1, mask=m2, other=0)
         if CONSUME:  # leave the step's block zeroed for the next step (each tile is read only here)
             tl.store(SC + 2 * cell, tl.zeros_like(nan), mask=m2)
             tl.store(SC + 2 * cell + 1, tl.zeros_like(inf), mask=m2)

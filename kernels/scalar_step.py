@@ -298,6 +298,28 @@ def _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s,
 
 
 @triton.jit
+def _speculative_update(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s, hold, keep_all, ROW,
+                       TY: tl.constexpr, SF: tl.constexpr, DECAY_Z: tl.constexpr, EMULATE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """:func:`_speculative_block` on a block of one tensor (masked only as the tensor's last, ``rem`` < BLOCK),
+    its counts added to the parameter's ROW of the dense count block."""
+    if rem >= BLOCK:
+        total = _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s, hold, keep_all, TY, SF,
+                                   DECAY_Z, EMULATE, False, BLOCK)
+    else:
+        total = _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s, hold, keep_all, TY, SF,
+                                   DECAY_Z, EMULATE, True, BLOCK)
+    _add_packed(ROW, total)
+
+
+@triton.jit
+def _columns(ADDR, t, start, TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """Typed pointers to the block's first entry of p, g, m|z and v (the address table's four columns)."""
+    return (_column(ADDR, t, 0, TY, start, ALIGNED), _column(ADDR, t, 1, TY, start, ALIGNED),
+            _column(ADDR, t, 2, TY, start, ALIGNED), _column(ADDR, t, 3, TY, start, ALIGNED))
+
+
+@triton.jit
 def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DEC, DEC_FLAGS, EMA, DENSE,
                    TY: tl.constexpr, SF: tl.constexpr, GATE: tl.constexpr, GUARD: tl.constexpr,
                    DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
@@ -305,10 +327,7 @@ def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, 
     SCALE/SEL/DEC*/DENSE (and EMA with GUARD) are real, otherwise never dereferenced. A tensor's first
     block also commits the decide kernel's spike-guard EMA and spike count."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
-    p_ptr = _column(ADDR, t, 0, TY, start, ALIGNED)
-    g_ptr = _column(ADDR, t, 1, TY, start, ALIGNED)
-    s_ptr = _column(ADDR, t, 2, TY, start, ALIGNED)
-    v_ptr = _column(ADDR, t, 3, TY, start, ALIGNED)
+    p_ptr, g_ptr, s_ptr, v_ptr = _columns(ADDR, t, start, TY, ALIGNED)
     bc1, bc2 = tl.load(BC + 2 * t), tl.load(BC + 2 * t + 1)
     lr = tl.load(GAMMA)
     s = 1.0
@@ -328,13 +347,8 @@ def _update_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, 
     keep_all = (flags & 2) != 0
     idx = tl.arange(0, BLOCK)
     if GATE:
-        if rem >= BLOCK:
-            total = _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, HP, bc1, bc2, lr, s, hold, keep_all, TY,
-                                       SF, DECAY_Z, EMULATE, False, BLOCK)
-        else:
-            total = _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, HP, bc1, bc2, lr, s, hold, keep_all, TY,
-                                       SF, DECAY_Z, EMULATE, True, BLOCK)
-        _add_packed(DENSE + sel * _ROW, total)
+        _speculative_update(p_ptr, g_ptr, s_ptr, v_ptr, rem, HP, bc1, bc2, lr, s, hold, keep_all, DENSE + sel * _ROW,
+                           TY, SF, DECAY_Z, EMULATE, BLOCK)
     elif rem >= BLOCK:
         _update_block(p_ptr, g_ptr, s_ptr, v_ptr, idx, idx < rem, HP, bc1, bc2, lr, s, hold, keep_all, TY, SF,
                       False, DECAY_Z, EMULATE, False)

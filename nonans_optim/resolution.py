@@ -133,6 +133,7 @@ class Resolution:
         # folds it in, which saves the zero-fill launch of a fresh block on every GPU step
         self._count_block: torch.Tensor | None = None
         self._count_block_dirty = False
+        self._scratch: dict = {}  # kernel_scratch's zeroed int32 tensors, one per key
         self._param_mask = to_device(torch.tensor(PARAM_STAGES), device)
         P, S, K = num_params, len(STAGES), ring_size
         # the parameters' sizes (not state: they are the model's), to tell a held step (no finite gradient
@@ -175,6 +176,26 @@ class Resolution:
             blk.zero_()
         self._count_block_dirty = True
         return blk
+
+    def count_block_consumed(self) -> None:
+        """A kernel folded the step's count block into the counters and zeroed it behind its reads (the
+        Triton record, or the last program of the one-launch step): the next :meth:`count_block` needs no
+        fill."""
+        self._count_block_dirty = False
+
+    def kernel_scratch(self, key: tuple, size: int, device: torch.device) -> torch.Tensor:
+        """A zeroed int32 tensor of at least ``size`` entries for a kernel that leaves it zeroed — the
+        one-launch (SF-)AdamW step's tickets and flags (``kernels/scalar_one.py``) —, kept per ``key`` (one
+        per parameter group: two launches of one step never share one), so a step pays no fill. After a launch
+        that failed part way, :meth:`drop_scratch`."""
+        t = self._scratch.get(key)
+        if t is None or t.numel() < size:
+            t = self._scratch[key] = torch.zeros(size, dtype=torch.int32, device=device)
+        return t
+
+    def drop_scratch(self) -> None:
+        """Forget every :meth:`kernel_scratch` tensor (a launch that failed may have left one dirty)."""
+        self._scratch.clear()
 
     def recent(self) -> torch.Tensor:
         """(P,) bool: the parameter had an event within the last ``repeat_window`` steps (before this one).
@@ -287,7 +308,7 @@ class Resolution:
                           "with torch ops from now on", RuntimeWarning, stacklevel=4)
             return False
         if consume:
-            self._count_block_dirty = False  # the kernel zeroed it behind its reads
+            self.count_block_consumed()
         return True
 
     @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step

@@ -204,6 +204,36 @@ def test_scalar_step_kernels(policy, param):
 
 
 
+@pytest.mark.parametrize("param", ["fp32", "bf16", "fp16"])
+def test_one_launch_kernel(param):
+    """The (SF-)AdamW "repair" step in one launch (kernels/scalar_one.py), every storage dtype and form: the
+    ticket an acq_rel atomic at GPU scope, what other programs wrote read through L2 (``ld.global.cg``), no
+    contraction, vector stores on full blocks, and the launch's register limit in the PTX."""
+    import triton.language as tl
+
+    from nonans_optim.kernels.record import BLOCK_P
+    from nonans_optim.kernels.scalar_one import MAXNREG, _one_launch_kernel
+
+    ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
+    types = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32",
+                 GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32",
+                 SCRATCH="*i32", n="i32", nblocks="i32", COUNTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64",
+                 RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64", RES_NUMEL="*i64", step="i64",
+                 P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
+    for sf, decay_z in ((False, False), (True, False), (True, True)):
+        compiled = compile_for_hopper(_one_launch_kernel, types,
+                                      dict(TY=ty, SF=sf, DECAY_Z=decay_z, ALIGNED=True, EMULATE=False, BLOCK=2048,
+                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P),
+                                      num_warps=8, enable_fp_fusion=False, maxnreg=MAXNREG)
+        _binary_ok(compiled)
+        ptx = compiled.asm["ptx"]
+        assert re.search(r"atom(\.\w+)*\.gpu\.acq_rel\.add\.u32", ptx), "the ticket: acq_rel at GPU scope"
+        assert re.search(r"ld\.global\.cg", ptx), "the last program reads the others' writes through L2"
+        assert f".maxnreg {MAXNREG}" in ptx
+        assert "fma.rn.f32" not in ptx, "no contraction: clean repair must equal off"
+        assert re.search(r"st\.global(\.\w+)*\.v[24]", ptx), "full blocks: vector stores"
+
+
 @pytest.mark.parametrize("consume", [False, True])
 def test_record_kernel(consume):
     """The one-launch resolution record (kernels/record.py): int64 counters, bool ring bits, one program;

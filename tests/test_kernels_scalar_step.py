@@ -15,6 +15,9 @@ Pinned down:
   bit-identical to "off" — with a fallback to ``impl="compiled"`` made to fail the test;
 * views one entry into a buffer (unaligned addresses) take the scalar-access path correctly;
 * a launch that fails (a compile error) leaves nothing half-done and falls back to ``impl="compiled"``;
+* ``NONANS_TRITON_ONE_LAUNCH=1`` (``kernels/scalar_one.py``): the default "repair" step in one launch, against
+  ``impl="loop"`` and bit for bit against the three launches, on faults that take each of its branches (held,
+  deferred and not held), its launch and op counts equal to "off"'s, its failure path;
 * GPU only: no host synchronisation in the step (``torch.cuda.set_sync_debug_mode("error")``).
 """
 from __future__ import annotations
@@ -349,6 +352,118 @@ def case_clean_repair_is_off(device, cls, monkeypatch):
         assert torch.equal(p, q)
 
 
+_ONE_SIZES = (4100, 7, 300, 1, 2100)  # 3, 1, 1, 1 and 2 blocks of 2048
+
+
+def _one_launch_run(cls, impl: str, device: str, monkeypatch, *, one: bool):
+    """Eight steps on which the faults take every branch of the one-launch step's decisions: sparse NaN/±Inf
+    on step 2 (no tensor a candidate); the 3-block tensor lost whole on steps 3–5 (after step 2's event on
+    it, a candidate whose every block is deferred, then held); the 2-block tensor's first block lost on steps
+    4 and 5 (a candidate: its first block deferred, then updated by the last program — its second block has
+    finite entries, so it is not held), then lost whole on steps 7 and 8 (held); the one-entry tensor lost on
+    step 6 (no recent event: continued, not held)."""
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1" if one else "0")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in _ONE_SIZES]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, impl=impl)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 9):
+        grads = [torch.randn(n, generator=gen) for n in _ONE_SIZES]
+        if step == 2:
+            grads[0][3], grads[2][0], grads[4][2099] = float("nan"), float("inf"), float("-inf")
+        if step in (3, 4, 5):
+            grads[0].fill_(float("nan"))
+        if step in (4, 5):
+            grads[4][:2050] = float("nan")
+        if step == 6:
+            grads[3].fill_(float("-inf"))
+        if step in (7, 8):
+            grads[4].fill_(float("nan"))
+        for q, g in zip(params, grads):
+            q.grad = g.to(device)
+        opt.step()
+    return params, opt
+
+
+def case_one_launch_matches_loop(device, cls, monkeypatch):
+    """``NONANS_TRITON_ONE_LAUNCH=1`` (kernels/scalar_one.py): the default "repair" step in one launch matches
+    impl="loop" — parameters, state, every Resolution tensor, the events — and the three-launch path bit for
+    bit, and leaves its scratch zeroed for the next step."""
+    from nonans_optim.kernels import scalar_one
+
+    _force_triton(monkeypatch)
+    calls = []
+    real = scalar_one.scalar_step_one_
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(scalar_one, "scalar_step_one_", counted)
+    ref, ref_opt = _one_launch_run(cls, "loop", device, monkeypatch, one=True)
+    three, three_opt = _one_launch_run(cls, "fused", device, monkeypatch, one=False)
+    assert not calls
+    got, got_opt = _one_launch_run(cls, "fused", device, monkeypatch, one=True)
+    assert len(calls) == 8  # every step took the one launch
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert_resolution_matches(ref_opt, got_opt)
+    for p, q in zip(three, got):
+        assert torch.equal(p, q)
+        for key, val in three_opt.state[p].items():
+            if isinstance(val, torch.Tensor):  # (the optimizer-level dict: its Resolution tensors below)
+                assert torch.equal(val, got_opt.state[q][key]), key
+    for key, val in three_opt._global()["resolution"].items():
+        assert torch.equal(val, got_opt._global()["resolution"][key]), key
+    actions = {(e.step, e.param): e.action for e in got_opt.events if e.stage == "grad"}
+    assert {actions[k] for k in ((3, 0), (4, 0), (5, 0), (7, 4), (8, 4))} == {"held"}
+    assert {actions[k] for k in ((2, 0), (4, 4), (5, 4), (6, 3))} == {"repaired"}
+    (scratch,) = got_opt._resolution._scratch.values()  # one group: one scratch
+    n = len(_ONE_SIZES)  # its tickets, deferred count and flags are zero again; deferred ids were written
+    assert int(scratch[:2 + n].abs().sum()) == 0 and int(scratch[2 + n:].abs().sum()) > 0
+
+
+def case_one_launch_is_one_launch(monkeypatch):
+    """Under ``NONANS_TRITON_ONE_LAUNCH=1`` "repair" asks of the host exactly what "off" does: one launch,
+    the same torch ops. Where the step needs more than the hold rule before writing (the spike guard, "skip")
+    or its group is not the step's only producer of counts (two parameter groups), the three launches run."""
+    from collections import Counter
+
+    _force_triton(monkeypatch)
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
+    for cls in (no.AdamW, no.SFAdamW):
+        seen = step_launches(monkeypatch, cls(params, lr=1e-3, impl="fused"), params)
+        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+        assert rep_ops == off_ops, (rep_ops, off_ops)
+        assert (rep_launch, off_launch) == (Counter(["_one_launch_kernel"]), Counter(["_update_kernel"]))
+        for opt in (cls(params, lr=1e-3, impl="fused", spike_factor=10.0),
+                    cls([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3, impl="fused")):
+            assert "_one_launch_kernel" not in step_launches(monkeypatch, opt, params)["repair"][1]
+        opt = cls(params, lr=1e-3, impl="fused", resolution="skip")
+        with count_launches(monkeypatch) as (launches, _):
+            for _ in range(2):
+                for q in params:
+                    q.grad = torch.randn_like(q)
+                opt.step()
+        assert launches["_decide_kernel"] == 2 and "_one_launch_kernel" not in launches
+
+
+def case_one_launch_failure_falls_back(device, monkeypatch):
+    """A one-launch kernel that fails to launch falls back as the three-launch path does (one warning, the
+    step counts put back, impl="compiled" from then on, the run equal to impl="loop"), and its scratch is
+    dropped: a launch that stopped part way could have left tickets in it."""
+    from nonans_optim.kernels import scalar_one
+
+    break_kernel(monkeypatch, scalar_one, "_one_launch_kernel")
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
+    ref, ref_opt = _run(no.AdamW, "loop", "repair", device=device, spike_factor=None)
+    with pytest.warns(RuntimeWarning, match="simulated compile failure") as record:
+        got, got_opt = _run(no.AdamW, "fused", "repair", device=device, spike_factor=None)
+    assert sum("Triton kernels failed" in str(w.message) for w in record) == 1
+    assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
+    assert_resolution_matches(ref_opt, got_opt)
+    assert not got_opt._resolution._scratch
+
+
 def steps_never_sync(opt, params, steps: int = 3) -> None:
     """Step ``opt`` on fresh CUDA gradients with host synchronisation made an error."""
     for _ in range(steps):
@@ -420,10 +535,19 @@ def _define(device, marks=()):
     def test_skip_holds_as_the_loop_does(cls, monkeypatch):
         case_skip_holds_as_the_loop_does(device, cls, monkeypatch)
 
+    @mark
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_one_launch_matches_loop(cls, monkeypatch):
+        case_one_launch_matches_loop(device, cls, monkeypatch)
+
+    @mark
+    def test_one_launch_failure_falls_back(monkeypatch):
+        case_one_launch_failure_falls_back(device, monkeypatch)
+
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
             test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held, test_guard_scale_floor,
-            test_z_overflow_alone)
+            test_z_overflow_alone, test_one_launch_matches_loop, test_one_launch_failure_falls_back)
 
 
 # ops that launch nothing on a GPU (allocation, views, metadata)
@@ -531,10 +655,14 @@ if INTERPRETED:
     def test_repair_adds_only_the_resolution_launches(monkeypatch):
         case_repair_adds_only_the_resolution_launches(monkeypatch)
 
+    def test_one_launch_is_one_launch(monkeypatch):
+        case_one_launch_is_one_launch(monkeypatch)
+
     (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
      test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
      test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held,
-     test_guard_scale_floor, test_z_overflow_alone) = _define("cpu")
+     test_guard_scale_floor, test_z_overflow_alone, test_one_launch_matches_loop,
+     test_one_launch_failure_falls_back) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -543,6 +671,18 @@ else:
     def test_cpu_tensors_are_not_supported_without_the_interpreter():
         from nonans_optim.kernels.scalar_step import supported
         assert not supported([torch.randn(3), torch.randn(2)])
+
+    def test_one_launch_switch(monkeypatch):
+        """``NONANS_TRITON_ONE_LAUNCH``: off unless "1"; any other value than "0"/"1" is refused by name."""
+        from nonans_optim.optimizers._fused_triton import one_launch
+
+        monkeypatch.delenv("NONANS_TRITON_ONE_LAUNCH", raising=False)
+        assert not one_launch()
+        monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
+        assert one_launch()
+        monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "yes")
+        with pytest.raises(ValueError, match="NONANS_TRITON_ONE_LAUNCH must be '0' or '1'"):
+            one_launch()
 
     def test_backend_choice(monkeypatch):
         from nonans_optim.optimizers._fused_triton import backend
@@ -569,12 +709,21 @@ else:
      test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
      test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does,
      test_gpu_recent_from_the_counters, test_gpu_lazy_decisions_read_only_what_can_be_held,
-     test_gpu_guard_scale_floor, test_gpu_z_overflow_alone) = _define("cuda", marks=gpu)
+     test_gpu_guard_scale_floor, test_gpu_z_overflow_alone, test_gpu_one_launch_matches_loop,
+     test_gpu_one_launch_failure_falls_back) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
     @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
     def test_gpu_fused_step_never_syncs(cls):
+        params = [torch.randn(300, 70, device="cuda", requires_grad=True), torch.randn(5, device="cuda")]
+        steps_never_sync(cls(params, lr=1e-2, impl="fused"), params)
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    def test_gpu_one_launch_step_never_syncs(cls, monkeypatch):
+        monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
         params = [torch.randn(300, 70, device="cuda", requires_grad=True), torch.randn(5, device="cuda")]
         steps_never_sync(cls(params, lr=1e-2, impl="fused"), params)
 

@@ -34,7 +34,7 @@ from ._compiled import group_kernel_args, host_steps, resolution_args, undo_step
 from ._compiled_spectral import _buckets
 from ._kl_stacks import precondition_stacks
 
-__all__ = ["backend", "triton_scalar_update", "triton_spectral_update"]
+__all__ = ["backend", "one_launch", "triton_scalar_update", "triton_spectral_update"]
 
 _BACKENDS = ("auto", "native", "triton")
 _FAILED: list[str] = []  # the first launch failure of this process, if any
@@ -66,17 +66,54 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     sizes = [p.numel() for p in params]
     check_sizes(sizes, "z" if sf else "exp_avg", seconds)
     check_sizes(sizes, "exp_avg_sq", vs)
-    policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
+    res = ctx["resolution"]
+    policy = "off" if res is None else res.policy
+    # one launch (kernels/scalar_one.py) where the step's only decision is the hold rule and this group is the
+    # step's only producer of counts, so its last program may fold them into the counters
+    one = (policy == "repair" and ctx["spike_factor"] is None and ctx["record_in_kernel"] and not ctx["counts"]
+           and ctx["dense"] is None and one_launch())
     args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma.float(), c=c,
                              recent_rule=True)
+    decay_z = sf and group["weight_decay"] != 0
     try:
-        k.scalar_step_(*args, sf=sf, policy=policy, decay_z=sf and group["weight_decay"] != 0,
-                       factor=ctx["spike_factor"])
+        if one:
+            _scalar_one(args, indices, res, ctx["step"], sf=sf, decay_z=decay_z)
+        else:
+            k.scalar_step_(*args, sf=sf, policy=policy, decay_z=decay_z, factor=ctx["spike_factor"])
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
+        if one:
+            res.drop_scratch()  # (a launch that stopped part way may have left tickets behind)
         _failed(err, states)
         return False
     mark_written(params, seconds, vs, resolution_written(ctx))
+    if one:
+        ctx["recorded"] = True  # the base's record_step must not fold this step a second time
+        res.count_block_consumed()
     return True
+
+
+def one_launch() -> bool:
+    """``NONANS_TRITON_ONE_LAUNCH`` ("0", the default, or "1"), read at each step: "1" runs the (SF-)AdamW
+    "repair" step without the spike guard as one Triton launch (``kernels/scalar_one.py``) instead of three.
+    Opt-in until a GPU run has measured it: verified under the Triton interpreter and compiled for sm_90 on a
+    CPU, never yet run on a GPU."""
+    choice = os.environ.get("NONANS_TRITON_ONE_LAUNCH", "0")
+    if choice not in ("0", "1"):
+        raise ValueError(f"NONANS_TRITON_ONE_LAUNCH must be '0' or '1', got {choice!r}")
+    return choice == "1"
+
+
+def _scalar_one(args: tuple, indices: list[int], res, step: int, *, sf: bool, decay_z: bool) -> None:
+    """The group's step and the step's record in one launch: ``args`` as :func:`group_kernel_args` made them."""
+    from ..kernels import scalar_one
+
+    params, grads, ms, vs, zs, gamma, (_, rule, _, dense), sel, bcs, hp = args
+    device = params[0].device
+    scalar_one.scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, sf=sf, decay_z=decay_z, sel=sel,
+                                counters=res.tensors, numel=res.numel, dense=dense, step=step,
+                                scratch=lambda size: res.kernel_scratch((indices[0], len(indices)), size, device),
+                                backoff=res.backoff, min_scale=res.min_scale, growth_interval=res.growth_interval,
+                                repeat_window=rule.window)
 
 
 def _failed(err: Exception, states: list[dict]) -> None:

@@ -1,0 +1,178 @@
+"""The (SF-)AdamW "repair" step without the spike guard — the AdamW family's default — in one launch: the
+hold decisions, the update and the resolution record that ``scalar_step.py`` and ``record.py`` spread over
+three launches (decide, update, record). Opt-in (``NONANS_TRITON_ONE_LAUNCH=1``) until a GPU run has
+measured it: see ``nonans_optim/optimizers/_fused_triton.py``.
+
+Why: a small model's step is host-bound on a GPU, and every Triton launch costs the host tens of
+microseconds (RESULTS.md "sync-audit": 46–90 µs per launch on an H200's host), while issue 3's target for
+"repair" over "off" is 0.3% of a training step — 20 µs of the default GPT's 6.8 ms there. "off" is one
+launch; so is this.
+
+How, without any program waiting for another (so no co-residency assumption and no possible deadlock):
+
+* The decisions. Under "repair" without the guard the one decision that must precede a write is the hold
+  rule: a parameter with a recent event whose gradient has no finite entry is held (nothing written). Its
+  tensor is then a *candidate*: a recent event and a non-finite first entry (the decide kernel's LAZY
+  test), which each program checks for its own tensor — the first entry and the parameter's counters, a
+  few cached loads. A non-candidate's block (every block of a clean step) is updated at once, as the
+  update kernel does. A candidate's block that holds a finite gradient entry proves its tensor is not held:
+  it flags that and is updated at once. A candidate's block with no finite entry is *deferred*: its id is
+  appended to a list and nothing of it is written.
+* The last program. Every program takes a ticket once its counts are added (an acq_rel atomic after a
+  barrier); the one that takes the last ticket has every other program's counts, flags and deferred ids
+  visible. It updates the deferred blocks — held where no block of their tensor had a finite entry (a held
+  block writes nothing and counts its gradient entries, as in the update kernel) —, folds the step's
+  counts into the counters (``record.record``, the record kernel's body) and zeroes the scratch for the
+  next launch.
+
+The cost moves to the fault: deferred blocks run one after another in one program, so a persistent
+whole-tensor fault on a large tensor serialises that tensor (the three-launch path's decide kernel also
+scans a held candidate's gradient in one program). A clean step adds to each program its tensor's first
+gradient entry, its parameter's counters and one atomic; the record runs in the last program instead of a
+launch of its own.
+
+Memory ordering (PTX memory model): the counts, flags and deferred ids are written with atomics or before
+the barrier that precedes the ticket; the ticket is an acq_rel atomic at GPU scope, so the last program's
+acquire sees every release before it, and it reads what other programs wrote through L2 only (``.cg``).
+Verified under the Triton interpreter (sequential programs) and compiled for sm_90 on a CPU; not yet run on
+a GPU.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from nonans_optim.resolution import STAGE_INDEX, STAGES
+
+from ._elementwise import elementwise_block
+from ._multi import _ROW, _column, _finite, _layout, address_table
+from ._runtime import interpreting, on_device, tl_dtype
+from .record import BLOCK_P, record
+from .scalar_step import _columns, _recent, _speculative_update
+
+__all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]
+
+_S = len(STAGES)
+_S_PAD = triton.next_power_of_2(_S)
+# Registers per thread the compiler may use (ptxas .maxnreg). Left to itself it gave this kernel 110 on sm_90
+# (the decisions, the deferred blocks and the record around the update: 2 resident blocks of 8 warps per SM
+# where the update kernel's gated variant holds 3); at 80 it holds 3, spilling 56 bytes per thread to the
+# stack (``python -m experiments kernel-static``, "stack" column). Which is faster is a GPU's to say.
+MAXNREG = 80
+
+
+def scratch_size(n: int, nblocks: int) -> int:
+    """int32 entries of the scratch a launch over ``n`` tensors in ``nblocks`` blocks needs: the ticket
+    count, the deferred count, a flag per tensor ("a finite gradient entry seen") and the deferred ids."""
+    return 2 + n + nblocks
+
+
+@triton.jit
+def _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, pid, hold, TY: tl.constexpr,
+                SF: tl.constexpr, DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Block ``pid`` of the group as the update kernel's gated variant computes it (speculative, counted)."""
+    t = tl.load(BLOCK_TENSOR + pid)
+    start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
+    rem = tl.load(NUMEL + t) - start
+    p_ptr, g_ptr, s_ptr, v_ptr = _columns(ADDR, t, start, TY, ALIGNED)
+    sel = tl.load(SEL + t)
+    lr = tl.load(GAMMA) * tl.load(SCALE + sel)
+    _speculative_update(p_ptr, g_ptr, s_ptr, v_ptr, rem, HP, tl.load(BC + 2 * t), tl.load(BC + 2 * t + 1), lr, 1.0,
+                        hold, pid < 0, DENSE + sel * _ROW, TY, SF, DECAY_Z, EMULATE, BLOCK)
+
+
+@triton.jit(do_not_specialize=["n", "nblocks", "step", "P"])
+def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, STREAK, EVENTS, window,
+                       SCRATCH, n, nblocks, COUNTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, ESCALATIONS,
+                       RES_NUMEL, step, P, K, backoff, min_scale, growth, TY: tl.constexpr, SF: tl.constexpr,
+                       DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr,
+                       S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
+                       BLOCK_P: tl.constexpr):
+    """One program per block of the group (see the module docstring). SCRATCH (int32, zero before the
+    launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids]."""
+    pid = tl.program_id(0)
+    t = tl.load(BLOCK_TENSOR + pid)
+    sel = tl.load(SEL + t)
+    first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)  # (a tensor with a block is not empty)
+    candidate = _recent(STREAK, STREAK, EVENTS, sel, window, True, S, S_PAD, LOSS) & ~_finite(first)
+    deferred = pid < 0  # False
+    if candidate:
+        start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
+        idx = tl.arange(0, BLOCK)
+        g = tl.load(_column(ADDR, t, 1, TY, start, ALIGNED) + idx, mask=idx < tl.load(NUMEL + t) - start,
+                    other=float("nan")).to(tl.float32)
+        if tl.max(_finite(g).to(tl.int32), axis=0) > 0:
+            tl.atomic_max(SCRATCH + 2 + t, 1)  # the tensor has a finite entry: it is not held
+        else:
+            slot = tl.atomic_add(SCRATCH + 1, 1)
+            tl.atomic_xchg(SCRATCH + 2 + n + slot, pid)
+            deferred = pid >= 0  # True
+    # One call site of the update for the program's own block and, in the last program, the deferred ones
+    # (two inlined copies held 108 registers per thread on sm_90, this loop fewer: kernel-static). The first
+    # pass takes the ticket; only the last program's sets ``nd`` above zero.
+    cur, hold, work = pid, pid < 0, ~deferred
+    j = 0
+    nd = 0
+    last = pid < 0
+    while j <= nd:
+        if work:
+            _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, cur, hold, TY, SF,
+                        DECAY_Z, ALIGNED, EMULATE, BLOCK)
+        if j == 0:
+            tl.debug_barrier()  # every thread's counts and flags of this program before its ticket
+            last = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu") == nblocks - 1
+            if last:  # every other program has added its counts, flags and deferred ids
+                tl.debug_barrier()
+                nd = tl.load(SCRATCH + 1, cache_modifier=".cg")
+        if j < nd:
+            cur = tl.load(SCRATCH + 2 + n + j, cache_modifier=".cg")
+            hold = tl.load(SCRATCH + 2 + tl.load(BLOCK_TENSOR + cur), cache_modifier=".cg") == 0
+            work = pid >= 0  # True
+        j += 1
+    if last:
+        tl.debug_barrier()  # the deferred blocks' counts before the record reads them
+        record(DENSE, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, SCALE, STREAK,
+               ESCALATIONS, RES_NUMEL, step, P, K, backoff, min_scale, growth, window, S, S_PAD, LOSS, GRAD, True,
+               True, BLOCK_P)
+        for start in range(0, 2 + n, BLOCK):  # the ticket and deferred counts and the flags; the ids are
+            idx = start + tl.arange(0, BLOCK)  # overwritten before they are read again
+            tl.store(SCRATCH + idx, tl.zeros_like(idx), mask=idx < 2 + n)
+
+
+def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, decay_z: bool, sel: torch.Tensor,
+                     counters: dict[str, torch.Tensor], numel: torch.Tensor, dense: torch.Tensor,
+                     scratch: Callable[[int], torch.Tensor], step: int, backoff: float, min_scale: float, growth_interval: int,
+                     repeat_window: int) -> None:
+    """``scalar_step_(..., policy="repair", factor=None)`` followed by ``record.record_step_(counters, dense,
+    step, consume=True, ...)``, in one launch. ``counters``: the Resolution tensors (``Resolution.tensors``,
+    updated in place); ``numel`` their (P,) sizes; ``dense`` the step's (P, S, 2) count block,
+    zero on entry and zeroed again; ``scratch(size)`` returns an int32 tensor of at least ``size`` entries
+    (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host."""
+    n = len(params)
+    if n == 0:
+        return
+    device = params[0].device
+    block, warps = elementwise_block()
+    layout_numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
+    if nblocks == 0:
+        return
+    work = scratch(scratch_size(n, nblocks))
+    if work.numel() < scratch_size(n, nblocks) or work.dtype != torch.int32:
+        raise ValueError(f"scratch must be int32 with at least {scratch_size(n, nblocks)} entries")
+    seconds = zs if sf else ms
+    addr, aligned = address_table([t.data_ptr() for row in zip(params, grads, seconds, vs) for t in row], device)
+    P, K = dense.shape[0], counters["ring_step"].shape[0]
+    c = counters
+    with on_device(params[0]):
+        _one_launch_kernel[(nblocks,)](
+            addr, layout_numel, first, owner, bcs, hp, gamma, c["scale"], sel, dense, c["clean_streak"], c["events"],
+            int(repeat_window), work, n, nblocks, c["counts"], c["ring_counts"], c["ring_step"],
+            c["ring_escalated"], c["ring_held"], c["ring_ptr"], c["escalations"], numel, int(step), P, K,
+            float(backoff), float(min_scale), int(growth_interval), TY=tl_dtype(params[0].dtype), SF=sf,
+            DECAY_Z=decay_z, ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, S=_S, S_PAD=_S_PAD,
+            LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, num_warps=warps,
+            enable_fp_fusion=False, maxnreg=MAXNREG)
