@@ -64,7 +64,8 @@ def _cuobjdump() -> str:
 
 
 def resources(compiled) -> dict[str, int]:
-    """Registers per thread, shared memory bytes, barriers in the PTX and SASS instructions of a kernel."""
+    """Registers per thread, bytes of stack per thread (registers spilled: nonzero only under a register
+    limit), shared memory bytes, barriers in the PTX and SASS instructions of a kernel."""
     tool = _cuobjdump()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -72,10 +73,10 @@ def resources(compiled) -> dict[str, int]:
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    regs, smem = re.search(r"REG:(\d+).*?SHARED:(\d+)", usage).groups()
+    regs, stack, smem = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage).groups()
     ptx = compiled.asm["ptx"]
-    return {"regs": int(regs), "smem": int(smem), "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
-            "sass": sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))}
+    return {"regs": int(regs), "stack": int(stack), "smem": int(smem), "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
+            "sass": sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))}
 
 
 def blocks_per_sm(regs: int, smem: int, warps: int) -> int:
@@ -94,6 +95,24 @@ def _scalar_update(sf: bool, gate: bool) -> tuple[Callable, dict, dict]:
                  GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DEC="*fp32", DEC_FLAGS="*i32", EMA="*fp32", DENSE="*i64")
     return k._update_kernel, types, dict(TY=tl.float32, SF=sf, GATE=gate, GUARD=False, DECAY_Z=False,
                                          ALIGNED=True, EMULATE=False)
+
+
+def _scalar_one(sf: bool) -> tuple[Callable, dict, dict]:
+    """The one-launch "repair" step (kernels/scalar_one.py): decisions, update and record in one kernel."""
+    import triton.language as tl
+    from nonans_optim.kernels import scalar_one as k
+    from nonans_optim.kernels.record import BLOCK_P
+    from nonans_optim.resolution import STAGE_INDEX, STAGES
+
+    types = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32",
+                 GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32",
+                 SCRATCH="*i32", n="i32", nblocks="i32", COUNTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64",
+                 RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64", RES_NUMEL="*i64", step="i32",
+                 P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
+    s = len(STAGES)
+    return k._one_launch_kernel, types, dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False,
+                                             S=s, S_PAD=1 << (s - 1).bit_length(), LOSS=STAGE_INDEX["loss"],
+                                             GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P), dict(maxnreg=k.MAXNREG)
 
 
 def _spectral_write(gate: bool, guard: bool, mona: bool) -> tuple[Callable, dict, dict]:
@@ -144,11 +163,14 @@ def _spectral_apply(sf: bool, gate: bool) -> tuple[Callable, dict, dict]:
 # (kernel, variant, builder): "off" first, then the gated variants the optimizers' defaults run. Elementwise
 # kernels take the library's (BLOCK, warps) unless the variant names a shape; the row kernel its own 4 warps
 # and column chunk.
-VARIANTS: list[tuple[str, str, Callable[[], tuple[Callable, dict, dict]]]] = [
+VARIANTS: list[tuple[str, str, Callable[[], tuple]]] = [
     ("(SF-)AdamW update", "AdamW, off", lambda: _scalar_update(False, False)),
     ("(SF-)AdamW update", "AdamW, repair", lambda: _scalar_update(False, True)),
     ("(SF-)AdamW update", "SFAdamW, off", lambda: _scalar_update(True, False)),
     ("(SF-)AdamW update", "SFAdamW, repair", lambda: _scalar_update(True, True)),
+    # decisions, update and record in one launch (NONANS_TRITON_ONE_LAUNCH=1)
+    ("(SF-)AdamW update", "AdamW, repair, one launch", lambda: _scalar_one(False)),
+    ("(SF-)AdamW update", "SFAdamW, repair, one launch", lambda: _scalar_one(True)),
     # the launch shape python -m experiments kernels sweeps: 1024 x 8 warps holds 4 entries per thread, not 8
     ("(SF-)AdamW update", "AdamW, off, 1024 x 8", lambda: _scalar_update(False, False)),
     ("(SF-)AdamW update", "AdamW, repair, 1024 x 8", lambda: _scalar_update(False, True)),
@@ -169,16 +191,16 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple[Callable, dict, dict]]]] = [
 _ROW_WARPS = 4  # kernels/spectral_step.py launches the row kernel with 4 warps
 
 
-def _row(kernel: str, variant: str, build: Callable[[], tuple[Callable, dict, dict]]) -> dict[str, Any]:
+def _row(kernel: str, variant: str, build: Callable[[], tuple]) -> dict[str, Any]:
     from nonans_optim.kernels._elementwise import elementwise_block
 
-    fn, types, constexprs = build()
+    fn, types, constexprs, *options = build()  # (a builder may add compile options: the launch's own)
     block, warps = (1024, 8) if variant.endswith("1024 x 8") else elementwise_block()
     if kernel == "NorMuon rows":
         warps = _ROW_WARPS
     else:
         constexprs = dict(constexprs, BLOCK=block)
-    r = resources(compile_sm90(fn, types, constexprs, warps, enable_fp_fusion=False))
+    r = resources(compile_sm90(fn, types, constexprs, warps, enable_fp_fusion=False, **(options[0] if options else {})))
     return {"kernel": kernel, "variant": variant, "warps": warps, **r,
             "blocks_per_sm": blocks_per_sm(r["regs"], r["smem"], warps)}
 
@@ -198,18 +220,20 @@ def render(data: dict[str, Any]) -> str:
     before = {(r["kernel"], r["variant"]): r for r in base["rows"]} if base else {}
     lines = [f"Command: `python -m experiments kernel-static` (JSON: `results/kernel_static.json`), kernels at commit "
              f"{meta['commit']}, {meta['date']}, triton {meta['triton']}, compiled for {meta['target']} on a CPU "
-             "(no GPU involved). Per kernel variant: registers per thread; the blocks one H100/H200 SM holds at "
-             "once (by registers as allocated, threads, shared memory); barriers in the PTX (static: one in a "
-             "branch a clean block skips counts too); SASS instructions in the compiled kernel (static)."]
+             "(no GPU involved). Per kernel variant: registers per thread; stack bytes per thread (registers spilled "
+             "to memory, under a launch's register limit); the blocks one H100/H200 SM holds at once (by registers "
+             "as allocated, threads, shared memory); barriers in the PTX (static: one in a branch a clean block "
+             "skips counts too); SASS instructions in the compiled kernel (static)."]
     if base:
         lines.append(f"Before: the same command against the kernels of commit {base['meta']['commit']} "
                      f"({base['meta']['date']}), embedded in the JSON with `--baseline`.")
-    head = ["kernel", "variant", "warps", "registers", "blocks / SM", "barriers", "SASS"]
+    head = ["kernel", "variant", "warps", "registers", "stack bytes", "blocks / SM", "barriers", "SASS"]
     if base:
         head += ["before: registers", "before: blocks / SM", "before: barriers", "before: SASS"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
-        cells = [r["kernel"], r["variant"], r["warps"], r["regs"], r["blocks_per_sm"], r["barriers"], r["sass"]]
+        cells = [r["kernel"], r["variant"], r["warps"], r["regs"], r.get("stack", "—"), r["blocks_per_sm"],
+                 r["barriers"], r["sass"]]
         if base:
             b = before.get((r["kernel"], r["variant"]))
             cells += [b["regs"], b["blocks_per_sm"], b["barriers"], b["sass"]] if b else ["—"] * 4

@@ -59,8 +59,8 @@ _S = len(STAGES)
 _S_PAD = triton.next_power_of_2(_S)
 # Registers per thread the compiler may use (ptxas .maxnreg). Left to itself it gave this kernel 110 on sm_90
 # (the decisions, the deferred blocks and the record around the update: 2 resident blocks of 8 warps per SM
-# where the update kernel's gated variant holds 3); at 80 it holds 3, spilling 56 bytes per thread to the
-# stack (``python -m experiments kernel-static``, "stack" column). Which is faster is a GPU's to say.
+# where the update kernel's gated variant holds 3); at 80 it holds 3 and spills the rest to the stack
+# (``python -m experiments kernel-static``: "stack bytes"). Which is faster is for a GPU run to say.
 MAXNREG = 80
 
 

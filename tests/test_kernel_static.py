@@ -40,15 +40,37 @@ def test_reductions_show_as_barriers():
 
 
 def test_render_with_a_baseline_marks_rows_it_lacks():
-    row = dict(kernel="k", variant="v", warps=8, regs=40, smem=0, barriers=2, sass=900, blocks_per_sm=6)
+    row = dict(kernel="k", variant="v", warps=8, regs=40, stack=16, smem=0, barriers=2, sass=900, blocks_per_sm=6)
     meta = dict(commit="abc1234", date="2026-11-26T00:00:00", triton="3.9.0", target="sm_90")
-    data = {"meta": meta, "rows": [row, dict(row, variant="new")],
+    old = {k: v for k, v in row.items() if k != "stack"}  # a JSON from before the stack column
+    data = {"meta": meta, "rows": [row, dict(row, variant="new"), dict(old, variant="old")],
             "baseline": {"meta": dict(meta, commit="0000000"), "rows": [dict(row, regs=48, blocks_per_sm=5)]}}
     text = ks.render(data)
     assert "(JSON: `results/kernel_static.json`)" in text and "commit 0000000" in text
-    assert "| k | v | 8 | 40 | 6 | 2 | 900 | 48 | 5 | 2 | 900 |" in text
-    assert "| k | new | 8 | 40 | 6 | 2 | 900 | — | — | — | — |" in text
+    assert "| k | v | 8 | 40 | 16 | 6 | 2 | 900 | 48 | 5 | 2 | 900 |" in text
+    assert "| k | new | 8 | 40 | 16 | 6 | 2 | 900 | — | — | — | — |" in text
+    assert "| k | old | 8 | 40 | — | 6 | 2 | 900 | — | — | — | — |" in text
     assert "before" not in ks.render({"meta": meta, "rows": [row]})
+
+
+def test_one_launch_kernel_compiles_under_its_register_limit():
+    """The one-launch (SF-)AdamW step (kernels/scalar_one.py) compiles for sm_90 with its launch's register
+    limit, so it holds as many resident blocks per SM as the update kernel's gated variant; what does not fit
+    is spilled, which the "stack" column reports: nothing for "off" as launched, and something for "off"
+    forced into 40 registers (its 66 do not fit)."""
+    from nonans_optim.kernels.scalar_one import MAXNREG
+
+    try:
+        rows = {v: ks._row(k, v, b) for k, v, b in ks.VARIANTS
+                if v in ("AdamW, off", "AdamW, repair", "AdamW, repair, one launch")}
+        fn, types, constexprs = ks._scalar_update(False, False)
+        squeezed = ks.resources(ks.compile_sm90(fn, types, dict(constexprs, BLOCK=2048), 8, maxnreg=40,
+                                                  enable_fp_fusion=False))
+    except FileNotFoundError as err:  # a triton wheel without cuobjdump
+        pytest.skip(str(err))
+    one, gated = rows["AdamW, repair, one launch"], rows["AdamW, repair"]
+    assert one["regs"] <= MAXNREG and one["blocks_per_sm"] >= gated["blocks_per_sm"]
+    assert rows["AdamW, off"]["stack"] == 0 < squeezed["stack"] and squeezed["regs"] <= 40
 
 
 def test_attach_baseline_drops_the_baselines_own(tmp_path):
