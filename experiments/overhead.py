@@ -40,7 +40,7 @@ from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import MODELS, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
 from experiments.overhead_controls import build_optimizer, fresh_controls, spread, switched
 from experiments.overhead_controls import render as render_controls
-from experiments.questions_io import publish
+from experiments.questions_io import env_prefix, publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
 
 LR = 1e-3
@@ -220,7 +220,7 @@ def run(args) -> dict[str, Any]:
                      train_row["off_ms"]})
     gpu = device.type == "cuda"
     limit = {"step": None if gpu else 1.02, "train_share": 0.003 if gpu else None}
-    return {"command": "python -m experiments overhead" + (" --quick" if args.quick else "") +
+    return {"command": env_prefix() + "python -m experiments overhead" + (" --quick" if args.quick else "") +
             (" --device cuda" if gpu else "") + (f" --model {args.model}" if args.model != "default" else "") +
             (" --defaults" if args.defaults else "") + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else ""),
             "machine": machine, "device": torch.cuda.get_device_name() if gpu else "cpu",

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import time
@@ -18,7 +19,8 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["ROOT", "RESULTS", "write_json", "read_json", "new_figure", "save_figure", "wandb_run",
-           "replace_section", "md_table", "fmt", "mean_sd", "environment", "checkout_commit"]
+           "replace_section", "md_table", "fmt", "mean_sd", "environment", "checkout_commit", "env_prefix",
+           "SWITCHES"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -29,6 +31,17 @@ def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# The library's switches that change what a measurement runs (the cache directory does not).
+SWITCHES = ("NONANS_TRITON_ONE_LAUNCH", "NONANS_FUSED_BACKEND", "NONANS_NATIVE", "NONANS_NATIVE_SIMD",
+            "NONANS_NS5_BACKEND", "NONANS_NS5_METHOD", "NONANS_NS5_TRITON_MIN_DIM")
+
+
+def env_prefix() -> str:
+    """The switches of :data:`SWITCHES` set in this process, as the shell prefix of the command that repeats a
+    run (``NONANS_TRITON_ONE_LAUNCH=1 python -m experiments ...``): a JSON's command must say what it ran."""
+    return "".join(f"{k}={shlex.quote(os.environ[k])} " for k in SWITCHES if k in os.environ)
 
 
 def checkout_commit(path: str) -> str:

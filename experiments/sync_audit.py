@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from experiments.host_profile import function_diff, host_profile, triton_summary
-from experiments.questions_io import ROOT, publish
+from experiments.questions_io import ROOT, env_prefix, publish
 
 JSON_PATH = ROOT / "results" / "sync_audit.json"
 
@@ -121,7 +121,7 @@ def run(steps: int = 3, defaults_only: bool = False, host_steps: int = 10) -> di
               flush=True)
         for site, n in sorted({**row["first_step_syncs"], **row["later_step_syncs"]}.items()):
             print(f"    sync x{n}: {site}")
-    return {"command": "python -m experiments sync-audit" + (" --defaults" if defaults_only else "")
+    return {"command": env_prefix() + "python -m experiments sync-audit" + (" --defaults" if defaults_only else "")
             + (f" --host-steps {host_steps}" if host_steps != 10 else ""),
             "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "rows": rows}

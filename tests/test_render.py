@@ -119,3 +119,17 @@ def test_open_question_2b_reads_the_gpu_run_of_the_kernels_experiment():
     assert "NVIDIA H200, 2026-11-26T01:32:19" in text and "1×4096×4096 0.98x" in text and "8.6x" in text
     assert "does not change the picture" in text and "best 0.98x" in text
     assert "pays (5% or more) at 1×4096×4096" in q2_gpu({**gpu, "fp16_safe": [{**row, "fused_vs_unfused": 1.25}]})
+
+
+def test_a_command_names_the_switches_it_ran_under(monkeypatch):
+    """A JSON's command repeats the run: the library's switches set in the process lead it (the one-launch
+    step, the fused backend...), and nothing else from the environment does."""
+    from experiments.questions_io import SWITCHES, env_prefix
+
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert env_prefix() == ""
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    monkeypatch.setenv("NONANS_CACHE_DIR", "/tmp/a b")  # where the build is cached changes no number
+    assert env_prefix() == "NONANS_TRITON_ONE_LAUNCH=1 NONANS_FUSED_BACKEND=triton "
