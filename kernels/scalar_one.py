@@ -48,10 +48,10 @@ import triton.language as tl
 from nonans_optim.resolution import STAGE_INDEX, STAGES
 
 from ._elementwise import elementwise_block
-from ._multi import _ROW, _column, _finite, _layout, address_table
+from ._multi import _ROW, _column, _finite
 from ._runtime import interpreting, on_device, tl_dtype
 from .record import BLOCK_P, record
-from .scalar_step import _columns, _recent, _speculative_update
+from .scalar_step import _columns, _recent, _speculative_update, group_launch
 
 __all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]
 
@@ -152,19 +152,15 @@ def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, dec
     updated in place); ``numel`` their (P,) sizes; ``dense`` the step's (P, S, 2) count block,
     zero on entry and zeroed again; ``scratch(size)`` returns an int32 tensor of at least ``size`` entries
     (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host."""
+    launch = group_launch(params, grads, zs if sf else ms, vs)
+    if launch is None:
+        return
+    (layout_numel, first, owner, nblocks), addr, aligned = launch
     n = len(params)
-    if n == 0:
-        return
-    device = params[0].device
-    block, warps = elementwise_block()
-    layout_numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
-    if nblocks == 0:
-        return
     work = scratch(scratch_size(n, nblocks))
     if work.numel() < scratch_size(n, nblocks) or work.dtype != torch.int32:
         raise ValueError(f"scratch must be int32 with at least {scratch_size(n, nblocks)} entries")
-    seconds = zs if sf else ms
-    addr, aligned = address_table([t.data_ptr() for row in zip(params, grads, seconds, vs) for t in row], device)
+    block, warps = elementwise_block()
     P, K = dense.shape[0], counters["ring_step"].shape[0]
     c = counters
     with on_device(params[0]):

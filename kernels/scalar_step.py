@@ -369,16 +369,11 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
     code = policy_code(policy)
     if (res is None) != (code == 0):
         raise ValueError("res must be given exactly when the policy is not 'off'")
-    seconds = zs if sf else ms
-    n = len(params)
-    if n == 0:
+    launch = group_launch(params, grads, zs if sf else ms, vs)
+    if launch is None:
         return
-    device = params[0].device
+    (numel, first, owner, nblocks), addr, aligned = launch
     block, warps = elementwise_block()
-    numel, first, owner, nblocks = _layout(tuple(p.numel() for p in params), block, str(device))
-    if nblocks == 0:
-        return
-    addr, aligned = address_table([t.data_ptr() for row in zip(params, grads, seconds, vs) for t in row], device)
     ty = tl_dtype(params[0].dtype)
     with on_device(params[0]):
         dec = dec_flags = dense = scale = ema = None
@@ -392,6 +387,21 @@ def scalar_step_(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, *, sf: boo
                                                           for x in (scale, sel, dec, dec_flags, ema, dense)),
             TY=ty, SF=sf, GATE=res is not None, GUARD=res is not None and factor is not None, DECAY_Z=decay_z,
             ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+
+
+def group_launch(params, grads, seconds, vs):
+    """What a launch over a group's blocks needs: ((numel, first, owner, nblocks) of :func:`._multi._layout`,
+    the (n, 4) address table of p, g, m|z, v, whether every address is 16-byte aligned); None when there is
+    nothing to launch (no tensor, or only empty ones)."""
+    if not params:
+        return None
+    block, _ = elementwise_block()
+    layout = _layout(tuple(p.numel() for p in params), block, str(params[0].device))
+    if layout[3] == 0:
+        return None
+    addr, aligned = address_table([t.data_ptr() for row in zip(params, grads, seconds, vs) for t in row],
+                                  params[0].device)
+    return layout, addr, aligned
 
 
 def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, aligned: bool, *, lazy: bool):
