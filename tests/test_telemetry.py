@@ -185,3 +185,30 @@ def test_a_held_parameter_is_labelled_held(name, impl):
         assert torch.equal(p, before)  # held (or skipped): the second one did not move it
         assert [(e.step, e.stage, e.action) for e in opt.events if e.stage == "grad"] == \
             [(2, "grad", want[0]), (3, "grad", want[1])]
+
+
+def test_add_param_group_keeps_each_parameters_own_counters():
+    """The saved counters are the rows of the parameters already there; the added ones start fresh after
+    them (the sums metrics() reports cannot tell which row is whose: the scale and the events' params can)."""
+    model = make_model()
+    opt = no.AdamW(model.fc1.parameters(), impl="loop")
+    train_steps(model, opt, 3, inject=lambda step, m: m.fc1.weight.grad.fill_(float("nan")) if step >= 1 else None)
+    opt.add_param_group({"params": list(model.fc2.parameters())})
+    assert [(e.step, e.param, e.stage) for e in opt.events] == [(2, 0, "grad"), (3, 0, "grad")]
+    assert opt._global()["resolution"]["scale"].tolist() == [0.5, 1.0, 1.0, 1.0]  # step 3 repeated step 2
+
+
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_a_bad_loss_is_counted_in_its_own_column(impl):
+    """A NaN loss is a NaN count, an Inf loss an Inf count (the two columns of the loss stage)."""
+    model = make_model()
+    opt = no.SFNorMuon(model.named_parameters(), impl=impl)
+    for loss in (float("nan"), float("-inf"), float("nan")):
+        opt.zero_grad()
+        model(*_batch()[:2]).square().mean().backward()
+        opt.set_loss(loss)
+        opt.step()
+    m = opt.metrics()
+    assert (m["resolution/nan_loss"], m["resolution/inf_loss"]) == (2.0, 1.0)
+    assert [(e.step, e.stage, e.nan_count, e.inf_count) for e in opt.events] == [
+        (1, "loss", 1, 0), (2, "loss", 0, 1), (3, "loss", 1, 0)]
