@@ -364,3 +364,131 @@ def test_checkpoint_taken_in_eval_mode_resumes_correctly(info):
     fresh.train()
     for a, b in zip(y, fresh_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --- The loop ground truth pinned to independent facts ------------------------------------------------------
+# The fast paths (foreach, compiled, native, Triton) are tested against impl="loop"; these tests pin the
+# loop's own arithmetic (nonans_optim/functional) to hand-derived values and the published recurrences, so
+# a slip there cannot be copied into every fast path's oracle unnoticed.
+
+
+def test_sfadamw_loop_follows_the_schedule_free_recurrence():
+    """SFAdamW (impl="loop") against the explicit three-sequence form of Schedule-Free AdamW, in fp64
+    (functional/schedule_free.py's docstring): z ← z - γ d with d = g/(sqrt(v/(1-β₂ᵗ)) + ε) + λ z (decay at z,
+    no first moment, no bias correction of g), x ← (1-c) x + c z with c_t = 1/t at a constant lr, and the
+    parameter holding y = (1-β) z + β x; eval() gives x. The reference keeps x explicitly, so it pins the
+    memory-efficient y update lerp(y, z, c) + γ(β(1-c) - 1) d that the implementation derives from it."""
+    lr, (b1, b2), eps, wd = 0.05, (0.8, 0.99), 1e-3, 0.3
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(6, dtype=torch.float64, generator=gen)
+    p = nn.Parameter(p0.clone())
+    opt = no.SFAdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, impl="loop")
+    x, z, v = p0.clone(), p0.clone(), torch.zeros_like(p0)
+    for t in range(1, 6):
+        g = p.detach() - 1.0 + torch.randn(6, dtype=torch.float64, generator=gen)  # taken at y
+        p.grad = g.clone()
+        opt.step()
+        v = b2 * v + (1 - b2) * g * g
+        d = g / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * z
+        z = z - lr * d
+        x = (1 - 1 / t) * x + (1 / t) * z
+        torch.testing.assert_close(opt.state[p]["z"], z, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(p.detach(), (1 - b1) * z + b1 * x, rtol=1e-12, atol=1e-12)
+    opt.eval()
+    torch.testing.assert_close(p.detach(), x, rtol=1e-12, atol=1e-12)
+
+
+def test_spectral_momentum_is_muons_nesterov_lerp():
+    """functional.momentum_ against KellerJordan/Muon's muon_update by hand: B ← μB + (1-μ)G, and with
+    Nesterov M = (1-μ)G + μB (B = 1, G = 3, μ = 0.9: B = 1.2, M = 0.3 + 1.08 = 1.38); without it M = B.
+    The same with the resolution gate on (every entry finite: the stock arithmetic)."""
+    from nonans_optim.functional.momentum import momentum_
+    for ok in (None, torch.tensor([True, True])):
+        for nesterov, want in ((True, 1.38), (False, 1.2)):
+            buf = torch.tensor([1.0, -2.0], dtype=torch.float64)
+            M, _ = momentum_(torch.tensor([3.0, 4.0], dtype=torch.float64), buf, ok, mu=0.9, nesterov=nesterov)
+            torch.testing.assert_close(buf, torch.tensor([1.2, -1.4], dtype=torch.float64))
+            want2 = 0.1 * 4.0 + 0.9 * -1.4 if nesterov else -1.4
+            torch.testing.assert_close(M, torch.tensor([want, want2], dtype=torch.float64))
+    # A finite G that overflows the buffer's lerp (G - B = 3.6e38 > fp32 max) is a missing observation for
+    # B: B keeps -3e37, the entry is marked, and the Nesterov input there is the old B (lerp(B, B, μ) = B),
+    # so M stays finite; the clean entry is the stock arithmetic.
+    buf = torch.tensor([-3e37, 1.0])
+    M, overflow = momentum_(torch.tensor([3.3e38, 3.0]), buf, torch.tensor([True, True]), mu=0.9, nesterov=True)
+    assert overflow.tolist() == [True, False]
+    torch.testing.assert_close(buf, torch.tensor([-3e37, 1.2]), rtol=0, atol=1e-6)  # -3e37 exactly
+    torch.testing.assert_close(M, torch.tensor([-3e37, 1.38]), rtol=0, atol=1e-6)
+
+
+def test_mona_starts_without_a_kick_and_averages_the_gradient_difference():
+    """functional.mona_ by hand (functional/momentum.py's docstring): G_prev starts as the first gradient, so
+    step 1 returns G₁ exactly (FusionOpt's zero start would add α(1-β)G₁); then D = G - G_prev,
+    A ← βA + (1-β)D and G̃ = G + αA. α = 0.5, β = 0.75: G₂ - G₁ = 4 gives A = 1, G̃₂ = 11 + 0.5 = 11.5;
+    G₃ - G₂ = -8 gives A = 0.75 - 2 = -1.25, G̃₃ = 3 - 0.625 = 2.375."""
+    from nonans_optim.functional.momentum import mona_
+    for ok in (None, torch.tensor([True])):
+        prev, avg = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        got = []
+        for t, g in enumerate((7.0, 11.0, 3.0)):
+            G, overflow = mona_(torch.tensor([g], dtype=torch.float64), prev, avg, ok, alpha=0.5, beta=0.75,
+                                first=t == 0)
+            got.append((G.item(), avg.item(), prev.item()))
+            assert overflow is None if ok is None else not overflow.any()
+        assert got == [(7.0, 0.0, 7.0), (11.5, 1.0, 11.0), (2.375, -1.25, 3.0)]
+    # A finite G whose difference overflows (3e38 - (-3e38)): A keeps its value and the entry is marked, but
+    # G was observed, so G_prev takes it (only a non-finite G is a missing observation for G_prev).
+    prev, avg = torch.tensor([-3e38, 1.0]), torch.tensor([0.5, 0.5])
+    G, overflow = mona_(torch.tensor([3e38, 2.0]), prev, avg, torch.tensor([True, True]), alpha=0.5, beta=0.75,
+                        first=False)
+    assert overflow.tolist() == [True, False]
+    assert torch.equal(avg, torch.tensor([0.5, 0.625]))  # 0.75·0.5 + 0.25·(2 - 1)
+    assert torch.equal(prev, torch.tensor([3e38, 2.0]))
+
+
+def test_normuon_is_the_papers_row_normalisation_then_rms_0_2():
+    """functional.normuon against NorMuon (arXiv 2510.05491, Alg. 1) written out in fp64: v ← β₂v +
+    (1-β₂)·mean over columns of O² (one entry per row, i.e. output neuron), Ô = O / (sqrt(v) + ε) with v
+    broadcast along each row, update = 0.2·sqrt(mn)·Ô/‖Ô‖_F. A square O (rows and columns alike in shape)
+    so that a column-wise slip cannot hide behind a shape error, a large ε so that its place shows, and
+    rows of very different scale so that the row normalisation does."""
+    from nonans_optim.functional.normuon import normuon
+    O = torch.tensor([[3.0, 4.0, 0.0], [0.1, -0.2, 0.3], [-6.0, 1.0, 2.0]])
+    v = torch.tensor([0.5, 0.01, 2.0])
+    beta2, eps = 0.9, 0.05
+    U, v_new = normuon(O, v, None, beta2=beta2, eps=eps)
+    O64, v64 = O.double(), v.double()
+    want_v = beta2 * v64 + (1 - beta2) * (O64 ** 2).mean(dim=1)
+    O_hat = O64 / (want_v.sqrt()[:, None] + eps)
+    want_U = 0.2 * 3.0 * O_hat / O_hat.norm()
+    torch.testing.assert_close(v_new.double(), want_v, rtol=1e-6, atol=0)
+    torch.testing.assert_close(U.double(), want_U, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(U.double().square().mean().sqrt(), torch.tensor(0.2, dtype=torch.float64))
+    # the resolution gate: a row that saw a non-finite gradient keeps its moment, the others update
+    U2, v_gated = normuon(O, v, torch.tensor([True, False, True]), beta2=beta2, eps=eps)
+    torch.testing.assert_close(v_gated.double(), torch.where(torch.tensor([True, False, True]), want_v, v64),
+                               rtol=1e-6, atol=0)
+
+
+def test_polyak_multiplier_by_hand():
+    """functional.polyak.update_polyak against FusionOpt's rule by hand: L̄, Ḡ are EMAs (β = 0.98) seeded
+    with the first value, the multiplier is clamp(L̄/Ḡ, 0.1, 10), a non-finite loss leaves L̄ alone (and is
+    reported), 0/0 falls back to 1."""
+    from nonans_optim.functional.polyak import init_polyak, update_polyak
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    st = init_polyak(torch.device("cpu"))
+    mult, bad = update_polyak(st, f(3.0), f(8.0), f(4.0))  # seeds: L̄ = 3, Ḡ = 8/4 = 2
+    assert (mult.item(), bad.item(), st["loss_ema"].item(), st["gnorm_ema"].item()) == (1.5, False, 3.0, 2.0)
+    mult, _ = update_polyak(st, f(53.0), f(52.0), f(1.0))  # L̄ = 0.98·3 + 0.02·53 = 4, Ḡ = 1.96 + 1.04 = 3
+    torch.testing.assert_close(st["loss_ema"], f(4.0))
+    torch.testing.assert_close(st["gnorm_ema"], f(3.0))
+    torch.testing.assert_close(mult, f(4.0 / 3.0))
+    mult, bad = update_polyak(st, f(float("nan")), f(3.0), f(1.0))  # L̄ kept, Ḡ = 3
+    assert bad.item() and st["loss_ema"].item() == 4.0
+    torch.testing.assert_close(mult, f(4.0 / 3.0))
+    for loss, gsum, want in ((1e3, 1.0, 10.0), (1e-3, 1.0, 0.1), (0.0, 0.0, 1.0)):  # the clamp; 0/0 → 1
+        st = init_polyak(torch.device("cpu"))
+        mult, _ = update_polyak(st, f(loss), f(gsum), f(1.0))
+        assert mult.item() == pytest.approx(want)
+    st = init_polyak(torch.device("cpu"))
+    mult, _ = update_polyak(st, None, f(1.0), f(1.0))  # no loss yet: multiplier 1
+    assert mult.item() == 1.0

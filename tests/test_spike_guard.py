@@ -37,6 +37,19 @@ def test_guard_is_nan_safe():
     assert torch.isnan(out[0][0]) and torch.isinf(out[1][0])  # left to the resolution gate
 
 
+def test_guard_trigger_is_strictly_above_the_cap_and_its_scale_is_never_zero():
+    """Two edges of functional/spike.py: a norm exactly k·ema is not a spike (‖g‖ > k·ema triggers), and
+    the scale is at least the smallest fp32 subnormal, so a cap/‖g‖ that underflows fp32 (cap 1e-29 against
+    a 1e30 entry) still leaves a capped +Inf entry +Inf rather than Inf·0 = NaN — the gate's NaN/Inf counts
+    must not depend on the guard."""
+    out, new_ema, trig = spike_guard([torch.tensor([6.0, 8.0])], torch.tensor([1.0]), 10.0)
+    assert not trig[0] and torch.equal(out[0], torch.tensor([6.0, 8.0]))
+    torch.testing.assert_close(new_ema, torch.tensor([1.9]))  # 0.9·1 + 0.1·10: the norm itself
+    out, new_ema, trig = spike_guard([torch.tensor([1e30, float("inf")])], torch.tensor([1e-30]), 10.0)
+    assert trig[0] and torch.equal(new_ema, torch.tensor([1e-30]))  # an incomplete gradient: EMA untouched
+    assert out[0][1].item() == float("inf") and 0 < out[0][0].item() < 1e-14
+
+
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFNorMuon, no.SFAdamW])
 def test_spike_does_not_poison_the_moments(cls):
     def run(factor):
