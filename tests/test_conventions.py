@@ -413,6 +413,62 @@ def test_load_hooks_see_the_checkpoint_as_given_and_the_optimizer_fully_loaded(n
         assert same_tree(opt.state[p], saved_opt.state[p])
 
 
+def test_load_hooks_run_once_per_load():
+    """The hooks run here, around the whole load, and not a second time from inside torch's part of it."""
+    model = Wide(5)
+    opt = no.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, 1)
+    calls = []
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("post"))
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre", "post"]
+
+
+def test_saved_group_hyperparameters_win_and_decide_the_expected_state():
+    """torch's contract: a checkpoint's group values replace the loading optimizer's (the lr a schedule had
+    reached, a group's path); only keys it lacks come from the current groups. The fit check reads the saved
+    group too: a matrix saved on the scalar path (Adam state) is accepted, not refused for lacking the
+    spectral path's momentum."""
+    model = Wide(5)
+    rest = [model.fc1.bias, model.fc2.weight, model.fc2.bias]
+    saved = no.Muon([{"params": [model.fc1.weight], "path": "scalar", "lr": 3e-3}, {"params": rest}], lr=1e-2)
+    _steps(model, saved, 2)
+    opt = no.Muon([{"params": [model.fc1.weight]}, {"params": rest}], lr=1e-2)
+    opt.load_state_dict(saved.state_dict())
+    assert (opt.param_groups[0]["path"], opt.param_groups[0]["lr"]) == ("scalar", 3e-3)
+    _steps(model, opt, 1)
+    assert {"exp_avg", "exp_avg_sq"} <= opt.state[model.fc1.weight].keys()
+    assert "momentum_buffer" not in opt.state[model.fc1.weight]
+
+
+def test_a_checkpoint_with_another_number_of_groups_is_refused():
+    """Two saved groups into one: torch's own error, not the first group loaded and the second dropped."""
+    model = Wide(5)
+    saved = no.AdamW([{"params": [model.fc1.weight]}, {"params": [model.fc2.weight]}], lr=1e-2)
+    _steps(model, saved, 1)
+    opt = no.AdamW([model.fc1.weight], lr=1e-2)
+    with pytest.raises(ValueError, match="number of parameter groups"):
+        opt.load_state_dict(saved.state_dict())
+    assert opt.state_dict()["state"] == {}
+
+
+def test_torch_checkpoint_resumes_at_the_largest_parameter_step():
+    """A torch.optim.AdamW checkpoint has no global step, only one per parameter, and a parameter that had
+    no gradient at some step counts fewer: the run resumes at the largest — already when a load post-hook
+    looks (the step is set before the post-hooks run, not after)."""
+    model = Wide(5)
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, ref, 3)
+    model.fc2.weight.grad = None
+    ref.step()  # fc2.weight stays at step 3, the others reach 4
+    ours = no.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    ours.register_load_state_dict_post_hook(lambda o: seen.append(o.metrics()["optim/step"]))
+    ours.load_state_dict(ref.state_dict())
+    assert seen == [4.0] and ours.metrics()["optim/step"] == 4.0
+
+
 def test_a_checkpoint_refused_for_name_routing_says_so():
     """Fusion routes by parameter name (a "head" matrix takes the scalar path): an unnamed checkpoint
     loaded into a named optimizer is refused, and the error names that cause, not another optimizer."""

@@ -121,6 +121,29 @@ def test_optimizer_level_state_rides_on_the_first_trainable_parameter(info):
     assert set(own) | {GLOBAL_KEY} == set(sd["state"][1])
 
 
+def test_the_carrier_a_checkpoint_chose_stays_the_carrier():
+    """Loaded into an optimizer whose first trainable parameter is another one (the embedding, frozen when
+    saved, trains now), the optimizer-level state stays where the checkpoint put it — also in a copy, which
+    looks for it afresh — instead of a new one (step 0) being started on the first trainable parameter. An
+    old-layout checkpoint (the dict at the top of ``state``) moves to the first trainable parameter."""
+    model = make_model()
+    model.embed.weight.requires_grad_(False)
+    opt = no.AdamW(model.parameters(), impl="foreach")
+    train_steps(model, opt, 2)
+    sd = opt.state_dict()
+    old = copy.deepcopy(sd)
+    old["state"][GLOBAL_KEY] = old["state"][1].pop(GLOBAL_KEY)  # the layout before commit fa21cf5
+    twin = no.AdamW(model.parameters(), impl="foreach")
+    twin.load_state_dict(old)
+    assert [k for k, st in twin.state_dict()["state"].items() if GLOBAL_KEY in st] == [1]
+    model.embed.weight.requires_grad_(True)
+    resumed = no.AdamW(model.parameters(), impl="foreach")
+    resumed.load_state_dict(sd)
+    for o in (resumed, copy.deepcopy(resumed)):
+        assert o.metrics()["optim/step"] == 2.0
+        assert [k for k, st in o.state_dict()["state"].items() if GLOBAL_KEY in st] == [1]
+
+
 def test_carrier_state_keeps_its_dtypes_on_a_bf16_carrier():
     """torch's load casts a parameter's floating state to the parameter's dtype; the counters and the
     Polyak EMAs of a bf16 carrier stay fp32 (as saved), so a resumed run counts and scales as before."""
@@ -135,14 +158,16 @@ def test_carrier_state_keeps_its_dtypes_on_a_bf16_carrier():
     assert same_tree(glob, opt._global())
 
 
-def test_loading_does_not_alias_the_callers_checkpoint():
-    """Steps after a load leave the loaded dict's optimizer-level tensors as they were (they are copied)."""
+@pytest.mark.parametrize("cls", [no.AdamW, no.FullFusion], ids=["AdamW", "FullFusion"])
+def test_loading_does_not_alias_the_callers_checkpoint(cls):
+    """Steps after a load leave the loaded dict's optimizer-level tensors as they were (they are copied).
+    FullFusion's step writes its Polyak state in place (AdamW's replaces it, which would hide an alias)."""
     model = make_model()
-    opt = no.AdamW(model.parameters(), impl="foreach")
+    opt = cls(model.parameters(), impl="foreach")
     train_steps(model, opt, 2, inject=_inject)
     sd = opt.state_dict()
     frozen = copy.deepcopy(sd)
-    twin = no.AdamW(model.parameters(), impl="foreach")
+    twin = cls(model.parameters(), impl="foreach")
     twin.load_state_dict(sd)
     train_steps(model, twin, 2, inject=_inject)
     carrier = next(k for k, st in sd["state"].items() if GLOBAL_KEY in st)

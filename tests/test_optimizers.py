@@ -17,7 +17,9 @@ from optim_infos import (IDS, INFOS, loss_fn, make_batch, make_model, no_host_sy
 @pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(lr=float("nan")), dict(lr=float("inf")),
                                  dict(weight_decay=-0.1), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
                                  dict(betas=(0.9,)), dict(betas=(0.9, 0.99, 0.999)), dict(warmup_steps=-1),
-                                 dict(warmup_steps=2.5), dict(warmup_steps="10")])
+                                 dict(warmup_steps=2.5), dict(warmup_steps="10"),
+                                 # a bool is an int to Python; lr=True (1.0) or warmup_steps=True (1) is a slip
+                                 dict(lr=True), dict(warmup_steps=True)])
 def test_bad_hyperparameters_raise_naming_the_argument(info, bad):
     model = make_model()
     name = next(iter(bad))
@@ -303,6 +305,36 @@ def test_routing_sends_embeddings_heads_and_1d_to_scalar_and_convs_to_spectral()
     by_path = {g["path"]: set(g["param_names"]) for g in groups if g.get("weight_decay", None) != 0.0}
     assert {"conv.weight", "fc1.weight", "fc2.weight"} == by_path["spectral"]
     assert {"embed.weight", "head.weight"} <= by_path["scalar"]
+
+
+def test_route_sends_thin_matrices_to_scalar_and_matches_whole_name_parts():
+    """route() on its own: a matrix with a side shorter than 2 (a one-output head, a 1×n projection) takes
+    the scalar path as a vector does — NS5 of a rank-1 matrix is only its sign pattern; a conv kernel is
+    (out, in·kh·kw). Names match whole dotted parts: "head", "lm_head", but not "multihead" or "overhead"."""
+    from nonans_optim.routing import route
+    assert [route(torch.empty(s)) for s in [(1, 8), (8, 1), (2, 8), (4, 1, 3, 3), (4, 1, 1, 1)]] == [
+        "scalar", "scalar", "spectral", "spectral", "scalar"]
+    w = torch.empty(4, 8)
+    assert [route(w, n) for n in ("head.weight", "model.lm_head.weight", "blocks.0.multihead.weight",
+                                  "overhead.proj.weight", "embed_tokens.weight")] == [
+        "scalar", "scalar", "spectral", "spectral", "scalar"]
+
+
+def test_param_groups_finds_embeddings_by_type_and_keeps_1d_undecayed():
+    """An embedding takes the scalar path by its module type whatever its name — here its tied output
+    projection, registered first, gives the shared weight the name "proj.weight", which no pattern matches;
+    0-/1-D parameters keep weight_decay 0 when param_groups is given a weight_decay for the others."""
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(6, 10, bias=False)
+            self.tok = nn.Embedding(10, 6)
+            self.mix = nn.Linear(6, 6)
+            self.proj.weight = self.tok.weight
+
+    groups = no.param_groups(LM(), weight_decay=0.1)
+    assert [(g["path"], g["param_names"], g["weight_decay"]) for g in groups] == [
+        ("spectral", ["mix.weight"], 0.1), ("scalar", ["proj.weight"], 0.1), ("scalar", ["mix.bias"], 0.0)]
 
 
 def test_group_path_override():

@@ -65,6 +65,24 @@ class Reuse(nn.Module):
         return x
 
 
+class LogInPlace(nn.Module):
+    """log taken in place: returns the very tensor it was given (same object), changed."""
+
+    def forward(self, x):
+        return x.log_()
+
+
+class Scale(nn.Module):
+    """x · s with its own parameter: one autograd node (MulBackward0) sends gradients to x and to s."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.s = nn.Parameter(torch.full((4,), value))
+
+    def forward(self, x):
+        return x * self.s
+
+
 def mlp_with(middle: nn.Module) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), middle, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -266,6 +284,57 @@ def test_hooks_do_not_sync(monkeypatch):
         loss.backward()
     assert w.report()["backward"]["type"] == "Sqrt"  # reading afterwards is the one sync
     w.remove()
+
+
+def test_a_tensor_changed_in_place_after_its_check_is_checked_again():
+    """The Linear's finite output was checked; LogInPlace returns that same object made NaN in place. The
+    skip-if-already-checked cache must see the new version and name LogInPlace, not report nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), LogInPlace())
+    with watch(model) as w:
+        with torch.no_grad():
+            model(torch.randn(8, 4))  # the Linear's output has negative entries: log gives NaN
+        first = w.first_nonfinite()
+    assert first == {"phase": "forward", "module": "1", "type": "LogInPlace", "call": 0, "where": "output",
+                     "inside": ""}
+
+
+def test_input_gradient_is_named_before_the_parameter_gradient_of_the_same_node():
+    """One node, both gradients non-finite (x and s hold Inf; the output gradient of sum() is finite): the
+    gradient sent on to other modules (grad_input) is the event, not the one kept here (grad_param)."""
+    model = Scale(float("inf"))
+    x = torch.full((2, 4), float("inf"), requires_grad=True)
+    with watch(model) as w:
+        model(x).sum().backward()
+        rep = w.report()
+    assert rep["backward"] == {"phase": "backward", "module": "", "type": "Scale", "call": 0,
+                               "where": "grad_input", "inside": None}
+
+
+def test_node_hooks_left_on_the_graph_record_nothing_after_remove():
+    """remove(): the node hooks already on a live graph become no-ops — a backward run after the watch
+    ended adds no event to what was recorded while it was active."""
+    model = mlp_with(nn.Sequential(ClipZero(), Sqrt()))
+    with watch(model) as w:
+        out = model(torch.randn(64, 4))
+    out.sum().backward()  # Inf gradient from Sqrt (see test_backward_only_nan_is_named_in_backward_phase)
+    assert not torch.isfinite(model[0].weight.grad).all()
+    assert w.report() == {"forward": None, "backward": None}
+
+
+def test_the_earliest_event_across_devices_wins():
+    """Each device keeps its own (seq, code) flag pair; the report is the event of smallest seq over all
+    of them, whatever the order the devices are read in. White-box (CPU only): a second device's pair is
+    simulated by moving the first event's pair under another key."""
+    model = mlp_with(nn.ReLU())
+    nan = torch.tensor([float("nan")])
+    with watch(model) as w:
+        w._record("forward", [nan], 4, 0, 0, 0)  # seq 0: module number 4, "3" (Tanh), output
+        early = w._flags["forward"].pop(torch.device("cpu"))
+        w._record("forward", [nan], 2, 0, 0, 0)  # seq 1: module number 2, "1" (ReLU), on the CPU pair
+        w._flags["forward"]["other device"] = early  # read after the CPU pair
+        first = w.first_nonfinite()
+    assert first == {"phase": "forward", "module": "3", "type": "Tanh", "call": 0, "where": "output",
+                     "inside": ""}
 
 
 def test_rejects_non_module():
