@@ -200,7 +200,8 @@ def _row(kernel: str, variant: str, build: Callable[[], tuple]) -> dict[str, Any
         warps = _ROW_WARPS
     else:
         constexprs = dict(constexprs, BLOCK=block)
-    r = resources(compile_sm90(fn, types, constexprs, warps, enable_fp_fusion=False, **(options[0] if options else {})))
+    r = resources(compile_sm90(fn, types, constexprs, warps, enable_fp_fusion=False,
+                               **(options[0] if options else {})))
     return {"kernel": kernel, "variant": variant, "warps": warps, **r,
             "blocks_per_sm": blocks_per_sm(r["regs"], r["smem"], warps)}
 

@@ -145,8 +145,8 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
 
 def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, decay_z: bool, sel: torch.Tensor,
                      counters: dict[str, torch.Tensor], numel: torch.Tensor, dense: torch.Tensor,
-                     scratch: Callable[[int], torch.Tensor], step: int, backoff: float, min_scale: float, growth_interval: int,
-                     repeat_window: int) -> None:
+                     scratch: Callable[[int], torch.Tensor], step: int, backoff: float, min_scale: float,
+                     growth_interval: int, repeat_window: int) -> None:
     """``scalar_step_(..., policy="repair", factor=None)`` followed by ``record.record_step_(counters, dense,
     step, consume=True, ...)``, in one launch. ``counters``: the Resolution tensors (``Resolution.tensors``,
     updated in place); ``numel`` their (P,) sizes; ``dense`` the step's (P, S, 2) count block,
