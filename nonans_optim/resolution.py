@@ -190,6 +190,8 @@ class Resolution:
         that failed part way, :meth:`drop_scratch`."""
         t = self._scratch.get(key)
         if t is None or t.numel() < size:
+            if len(self._scratch) > 64:  # a bound, for a run whose groups' gradient patterns keep changing
+                self._scratch.clear()
             t = self._scratch[key] = torch.zeros(size, dtype=torch.int32, device=device)
         return t
 

@@ -15,7 +15,10 @@ on the installed Triton): the kernels write nothing persistent before their last
 are put back, one warning names the error, and the step runs ``impl="compiled"``.
 
 Host work per step: one small host→device copy of the tensors' addresses (gradients are new tensors after
-every backward) and of the bias corrections; nothing is read back.
+every backward) and of the bias corrections; nothing is read back. Launches: "off" one; "repair" adds the
+decisions and the record (two; three with the spike guard's statistics) — or, with
+``NONANS_TRITON_ONE_LAUNCH=1`` (:func:`one_launch`), none where the step's only decision is the hold rule
+(``kernels/scalar_one.py``).
 """
 from __future__ import annotations
 
