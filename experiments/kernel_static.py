@@ -75,7 +75,8 @@ def resources(compiled) -> dict[str, int]:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs, stack, smem = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage).groups()
     ptx = compiled.asm["ptx"]
-    return {"regs": int(regs), "stack": int(stack), "smem": int(smem), "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
+    return {"regs": int(regs), "stack": int(stack), "smem": int(smem),
+            "barriers": ptx.count("bar.sync") + ptx.count("barrier.sync"),
             "sass": sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))}
 
 
@@ -219,7 +220,8 @@ def run(only: list[str] | None = None) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     meta, base = data["meta"], data.get("baseline")
     before = {(r["kernel"], r["variant"]): r for r in base["rows"]} if base else {}
-    lines = [f"Command: `python -m experiments kernel-static` (JSON: `results/kernel_static.json`), kernels at commit "
+    json_path = data.get("json", "results/kernel_static.json")
+    lines = [f"Command: `python -m experiments kernel-static` (JSON: `{json_path}`), kernels at commit "
              f"{meta['commit']}, {meta['date']}, triton {meta['triton']}, compiled for {meta['target']} on a CPU "
              "(no GPU involved). Per kernel variant: registers per thread; stack bytes per thread (registers spilled "
              "to memory, under a launch's register limit); the blocks one H100/H200 SM holds at once (by registers "
@@ -242,17 +244,35 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The Triton of the GPU image the GPU tables were measured with (RESULTS.md "kernels": triton 3.6.0). Its
+# compiler allocates registers differently from later versions, so a run with it on the path (``pip install
+# --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR python -m experiments kernel-static``) publishes into a
+# section and JSON of its own, beside the run with the installed Triton.
+GPU_IMAGE_TRITON = "3.6"
+
+
+def section_of(triton_version: str) -> tuple[str, str]:
+    """(RESULTS.md section, JSON under results/) of a run compiled with ``triton_version``."""
+    if triton_version.split(".")[:2] == GPU_IMAGE_TRITON.split("."):
+        return f"kernel-static-triton-{GPU_IMAGE_TRITON}", f"kernel_static_triton-{GPU_IMAGE_TRITON}.json"
+    return "kernel-static", "kernel_static.json"
+
+
 def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    key, name = section_of(triton.__version__)
     ap = argparse.ArgumentParser(prog="python -m experiments kernel-static", description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=None, help="a JSON of this command from another commit, shown beside")
-    ap.add_argument("--out", default=str(ROOT / "results" / "kernel_static.json"))
+    ap.add_argument("--out", default=str(ROOT / "results" / name))
     ap.add_argument("--results-md", default=str(ROOT / "RESULTS.md"), help="'' to skip rendering")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("TRITON_INTERPRET=1 replaces the compiler with the interpreter: unset it to compile for sm_90")
-    data = attach_baseline(run(), args.baseline)
-    publish(data, Path(args.out), render(data), args.results_md, "kernel-static",
-            "Static sm_90 resources of the fused kernels (issue 4)")
+    data = dict(attach_baseline(run(), args.baseline), json=f"results/{name}")
+    publish(data, Path(args.out), render(data), args.results_md, key,
+            f"Static sm_90 resources of the fused kernels, triton {GPU_IMAGE_TRITON} (the GPU image's) (issue 4)"
+            if key != "kernel-static" else "Static sm_90 resources of the fused kernels (issue 4)")
     return 0
 
 

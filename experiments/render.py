@@ -49,6 +49,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
     "kernel-static": ("kernel_static.json", "experiments.kernel_static:render"),
+    # the same command compiled with the GPU image's Triton (experiments/kernel_static.py::GPU_IMAGE_TRITON)
+    "kernel-static-triton-3.6": ("kernel_static_triton-3.6.json", "experiments.kernel_static:render"),
     "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),
     "op-count": ("op_count.json", "experiments.op_count:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),

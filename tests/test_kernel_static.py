@@ -84,3 +84,14 @@ def test_attach_baseline_drops_the_baselines_own(tmp_path):
     data = attach_baseline({"meta": {"commit": "abc1234"}, "rows": [2]}, str(other))
     assert data["baseline"] == {"meta": {"commit": "0000000"}, "rows": [1]}
     assert "baseline" not in attach_baseline({"rows": []}, None)
+
+
+def test_a_run_with_the_gpu_images_triton_has_its_own_section():
+    """Compiled with the GPU image's Triton, the command publishes beside the installed Triton's run, not over
+    it: the two compilers allocate registers differently (RESULTS.md, both kernel-static sections)."""
+    from experiments.render import SECTIONS
+
+    gpu = ks.section_of(f"{ks.GPU_IMAGE_TRITON}.0")
+    assert gpu == (f"kernel-static-triton-{ks.GPU_IMAGE_TRITON}", f"kernel_static_triton-{ks.GPU_IMAGE_TRITON}.json")
+    assert ks.section_of("3.9.0") == ("kernel-static", "kernel_static.json")
+    assert SECTIONS[gpu[0]][0] == gpu[1]
