@@ -57,10 +57,11 @@ __all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]
 
 _S = len(STAGES)
 _S_PAD = triton.next_power_of_2(_S)
-# Registers per thread the compiler may use (ptxas .maxnreg). Left to itself it gave this kernel 110 on sm_90
-# (the decisions, the deferred blocks and the record around the update: 2 resident blocks of 8 warps per SM
-# where the update kernel's gated variant holds 3); at 80 it holds 3 and spills the rest to the stack
-# (``python -m experiments kernel-static``: "stack bytes"). Which is faster is for a GPU run to say.
+# Registers per thread the compiler may use (ptxas .maxnreg). Left to itself triton 3.9 gave this kernel 110 on
+# sm_90 (the decisions, the deferred blocks and the record around the update: 2 resident blocks of 8 warps per
+# SM where the update kernel's gated variant holds 3); at 80 it holds 3 and spills the rest to the stack. The
+# GPU image's triton 3.6 wants far more and spills far more at this limit (RESULTS.md, the two kernel-static
+# sections, "stack bytes"). Which setting is faster — or whether this kernel is, there — is for a GPU run.
 MAXNREG = 80
 
 
