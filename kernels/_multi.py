@@ -111,9 +111,11 @@ def _add_count(ROW, OFFSET: tl.constexpr, n):
 # block runs the max's alone — and it skips the expansion, which is most of the counting's instructions
 # (the gated variant compiles to 2456 SASS instructions, 1720 without counts, off 1512). Since then the
 # update speculates (scalar_step._speculative_block: 77 registers, three blocks per SM as "off"), and the
-# counts are packed only where it recomputes. Static counts of the compiled kernels: `python -m experiments
-# kernel-static` (RESULTS.md, "kernel-static", before and after); what they do to the time is for a GPU run
-# of `python -m experiments kernels` to say (its per-kernel table).
+# counts are packed only where it recomputes. Every count in this comment is triton 3.9's compile; the GPU
+# image's triton 3.6 allocates more (its own kernel-static section: 904171a's gated update 173 registers, the
+# speculative one 122, two blocks per SM). Static counts of the compiled kernels: `python -m experiments
+# kernel-static` (RESULTS.md, both "kernel-static" sections, before and after); what they do to the time is
+# for a GPU run of `python -m experiments kernels` to say (its per-kernel table).
 _B_GRAD_NAN = tl.constexpr(0)
 _B_GRAD_INF = tl.constexpr(1)
 _B_MOMENT = tl.constexpr(2)

@@ -266,7 +266,8 @@ def _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s,
     them; on sm_90 the gated update held 108 registers against "off"'s 66 — two resident blocks per SM
     instead of three — for selects that select nothing on a clean step. Here the clean path is "off"'s
     arithmetic plus one test and one reduction, and the recomputation, at half a block, needs fewer
-    registers than the whole block did (``python -m experiments kernel-static``). A clean block stores
+    registers than the whole block did (``python -m experiments kernel-static``; triton 3.9's counts — the GPU
+    image's 3.6 allocates more: its own section of RESULTS.md). A clean block stores
     exactly what "off" stores: the same arithmetic, compiled without FMA contraction. The native loops
     (``nonans_optim/native/scalar_avx512.h``) speculate the same way, four vectors at a time."""
     idx = tl.arange(0, BLOCK)

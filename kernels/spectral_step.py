@@ -265,7 +265,8 @@ def _write_speculative(ADDR, MONA_ADDR, t, start, rem, HP, s, inv, keep_all, NES
     block is computed again from memory, with the gates and counts, half a block at a time. Returns the
     packed counts. Where the test passes no gate would have selected anything, so the stock values are the
     gated ones. sm_90 (``python -m experiments kernel-static``): the gated variants held 73-112 registers
-    against "off"'s 48 (106 with MONA), three or two resident blocks per SM instead of five (two)."""
+    against "off"'s 48 (106 with MONA), three or two resident blocks per SM instead of five (two) — triton
+    3.9's compile; the GPU image's 3.6 has its own kernel-static section."""
     idx = tl.arange(0, BLOCK)
     mask = idx < rem
     M, nb, _, _, _, _, _, _, pn, an = _pre_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, NESTEROV, False,
