@@ -259,15 +259,17 @@ def _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s,
     non-finite gradient entry makes its new v non-finite (NaN² is NaN, ±Inf² is Inf), an overflowing m
     makes y so, and z can overflow alone — and the stores, unless the test (or the tensor's keep-all flag)
     says a gate would select something: then the block is recomputed from memory, which nothing has written
-    yet, with the gates and the counts (:func:`_update_block`), half a block at a time. Returns the packed
-    counts.
+    yet, with the gates and the counts (:func:`_update_block`), a quarter of a block at a time. Returns the
+    packed counts.
 
     Why: the gated arithmetic keeps every old value live until its select, and the counts' codes beside
     them; on sm_90 the gated update held 108 registers against "off"'s 66 — two resident blocks per SM
     instead of three — for selects that select nothing on a clean step. Here the clean path is "off"'s
-    arithmetic plus one test and one reduction, and the recomputation, at half a block, needs fewer
-    registers than the whole block did (``python -m experiments kernel-static``; triton 3.9's counts — the GPU
-    image's 3.6 allocates more: its own section of RESULTS.md). A clean block stores
+    arithmetic plus one test and one reduction, and the recomputation, a part of the block at a time, needs
+    fewer registers than the whole block did. How it is split decides the kernel's registers (sm_90,
+    ``python -m experiments kernel-static`` with triton 3.9 and with the GPU image's 3.6): two unrolled halves
+    held 77 (3.9) but 122 (3.6, two resident blocks per SM), four quarters in a loop the compiler does not
+    unroll hold 80 and 76 — three blocks per SM, as "off", under both. A clean block stores
     exactly what "off" stores: the same arithmetic, compiled without FMA contraction. The native loops
     (``nonans_optim/native/scalar_avx512.h``) speculate the same way, four vectors at a time."""
     idx = tl.arange(0, BLOCK)
@@ -290,9 +292,9 @@ def _speculative_block(p_ptr, g_ptr, s_ptr, v_ptr, rem, hp_ptr, bc1, bc2, lr, s,
         _store(v_ptr, idx, vn, mask, TY, EMULATE, MASKED)
         _store(s_ptr, idx, sn, mask, TY, EMULATE, MASKED)
     else:
-        HALF: tl.constexpr = BLOCK // 2
-        for h in tl.static_range(2):
-            sub = h * HALF + tl.arange(0, HALF)
+        PART: tl.constexpr = BLOCK // 4
+        for h in range(4):  # (a loop the compiler keeps: see the docstring)
+            sub = h * PART + tl.arange(0, PART)
             total += _update_block(p_ptr, g_ptr, s_ptr, v_ptr, sub, sub < rem, hp_ptr, bc1, bc2, lr, s, hold,
                                    keep_all, TY, SF, True, DECAY_Z, EMULATE, MASKED)
     return total
