@@ -57,11 +57,11 @@ __all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]
 
 _S = len(STAGES)
 _S_PAD = triton.next_power_of_2(_S)
-# Registers per thread the compiler may use (ptxas .maxnreg). Left to itself triton 3.9 gave this kernel 110 on
-# sm_90 (the decisions, the deferred blocks and the record around the update: 2 resident blocks of 8 warps per
-# SM where the update kernel's gated variant holds 3); at 80 it holds 3 and spills the rest to the stack. The
-# GPU image's triton 3.6 wants far more and spills far more at this limit (RESULTS.md, the two kernel-static
-# sections, "stack bytes"). Which setting is faster — or whether this kernel is, there — is for a GPU run.
+# Registers per thread the compiler may use (ptxas .maxnreg). Left to itself the compiler gives this kernel
+# (the decisions, the deferred blocks and the record around the update) more than 96 on sm_90 — 2 resident
+# blocks of 8 warps per SM where the update kernel holds 3 —; at 80 it holds 3 and spills a few dozen bytes per
+# thread to the stack, under triton 3.9 and the GPU image's 3.6 alike (``python -m experiments kernel-static``,
+# both sections, "stack bytes"). Which is faster is for a GPU run to say.
 MAXNREG = 80
 
 
@@ -112,29 +112,21 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
             slot = tl.atomic_add(SCRATCH + 1, 1)
             tl.atomic_xchg(SCRATCH + 2 + n + slot, pid)
             deferred = pid >= 0  # True
-    # One call site of the update for the program's own block and, in the last program, the deferred ones
-    # (two inlined copies held 108 registers per thread on sm_90, this loop fewer: kernel-static). The first
-    # pass takes the ticket; only the last program's sets ``nd`` above zero.
-    cur, hold, work = pid, pid < 0, ~deferred
-    j = 0
-    nd = 0
-    last = pid < 0
-    while j <= nd:
-        if work:
-            _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, cur, hold, TY, SF,
+    # Two call sites of the update (the program's own block; the deferred ones in the last program): one call
+    # site in a loop over both spilled far more under the GPU image's triton 3.6 at the register limit
+    # (kernel-static, both Triton versions).
+    if ~deferred:
+        _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, pid, pid < 0, TY, SF, DECAY_Z,
+                    ALIGNED, EMULATE, BLOCK)
+    tl.debug_barrier()  # every thread's counts and flags of this program before its ticket
+    ticket = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu")
+    if ticket == nblocks - 1:  # the last program: every other one has added its counts
+        tl.debug_barrier()
+        for i in range(tl.load(SCRATCH + 1, cache_modifier=".cg")):
+            other = tl.load(SCRATCH + 2 + n + i, cache_modifier=".cg")
+            held = tl.load(SCRATCH + 2 + tl.load(BLOCK_TENSOR + other), cache_modifier=".cg") == 0
+            _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, other, held, TY, SF,
                         DECAY_Z, ALIGNED, EMULATE, BLOCK)
-        if j == 0:
-            tl.debug_barrier()  # every thread's counts and flags of this program before its ticket
-            last = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu") == nblocks - 1
-            if last:  # every other program has added its counts, flags and deferred ids
-                tl.debug_barrier()
-                nd = tl.load(SCRATCH + 1, cache_modifier=".cg")
-        if j < nd:
-            cur = tl.load(SCRATCH + 2 + n + j, cache_modifier=".cg")
-            hold = tl.load(SCRATCH + 2 + tl.load(BLOCK_TENSOR + cur), cache_modifier=".cg") == 0
-            work = pid >= 0  # True
-        j += 1
-    if last:
         tl.debug_barrier()  # the deferred blocks' counts before the record reads them
         record(DENSE, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, SCALE, STREAK,
                ESCALATIONS, RES_NUMEL, step, P, K, backoff, min_scale, growth, window, S, S_PAD, LOSS, GRAD, True,
