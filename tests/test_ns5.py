@@ -401,3 +401,65 @@ def test_auto_backend_takes_triton_from_the_measured_crossover(monkeypatch):
     monkeypatch.setenv("NONANS_NS5_TRITON_MIN_DIM", "big")
     with pytest.raises(ValueError, match="NONANS_NS5_TRITON_MIN_DIM"):
         _resolve_backend("auto", cuda, (512, 512))
+
+
+# --------------------------------------------------------------------------- independent float64 oracle
+def ns_oracle(G: np.ndarray, coefficients) -> np.ndarray:
+    """The quintic iteration written out in float64 numpy on G / ‖G‖_F, one matrix at a time, on the
+    wide orientation — shares no code with nonans_optim (not even its coefficient constant)."""
+    out = np.empty_like(G)
+    for i, g in enumerate(G.reshape(-1, *G.shape[-2:])):
+        tall = g.shape[0] > g.shape[1]
+        X = (g.T if tall else g) / np.linalg.norm(g)
+        for a, b, c in coefficients:
+            A = X @ X.T
+            X = a * X + (b * A + c * A @ A) @ X
+        out.reshape(-1, *G.shape[-2:])[i] = X.T if tall else X
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(2, 6, 20), (20, 6), (7, 7), (3, 1, 9)])
+def test_float64_hot_dtype_reproduces_the_exact_iteration(method, shape):
+    """With a float64 hot dtype ns5 is the textbook iteration up to the fp32 normalisation (~1e-7 relative,
+    amplified at most a⁵ ≈ 490x): Keller's literal coefficients, exactly ``steps`` steps (0 to 6; 0 is the
+    normalised input, pinning the Frobenius norm), and an explicit ``coefficients`` schedule is honoured."""
+    G = torch.from_numpy(np.random.default_rng(5).standard_normal(shape))
+    keller = (3.4445, -4.7750, 2.0315)
+    for steps in (0, 1, 2, 5, 6):
+        O = ns5(G, steps, dtype=torch.float64, method=method).numpy()
+        np.testing.assert_allclose(O, ns_oracle(G.numpy(), [keller] * steps), atol=2e-5, rtol=0)
+    custom = [(2.0, -1.5, 0.5), (3.0, -3.2, 1.2), (1.875, -1.25, 0.375)]  # per-step, not Keller's
+    O = ns5(G, dtype=torch.float64, method=method, coefficients=custom).numpy()
+    np.testing.assert_allclose(O, ns_oracle(G.numpy(), custom), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_iteration_runs_on_the_short_side(method):
+    """A tall input is transposed so that the Gram matrix is min(m, n) square: counted with torch's FLOP
+    counter, 8×64 and 64×8 cost the same, the short-side formula (the long side would be ≥ 6x more)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nonans_optim.ns5_gram import gram_flops, standard_flops
+    expected = (gram_flops if method == "gram" else standard_flops)(8, 64)
+    for shape in ((2, 8, 64), (2, 64, 8)):
+        with FlopCounterMode(display=False) as fc:
+            ns5(torch.randn(shape), dtype="fp32", method=method)
+        assert fc.get_total_flops() == 2 * expected, shape
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_members_are_normalised_independently(method):
+    """Each matrix of a batch gets its own power-of-two and Frobenius normalisation: a 1e30-scaled and a
+    1e-30-scaled matrix stacked together give exactly their per-matrix results (a batch-wide max-abs
+    would flush the small one to zero in fp32), and normalise() gives every non-zero matrix a Frobenius
+    norm of 1 to fp32 rounding — its eps never shrinks a real input."""
+    g = torch.Generator().manual_seed(6)
+    A, B = torch.randn(6, 10, generator=g), torch.randn(6, 10, generator=g)
+    G = torch.stack([A * 1e30, B * 1e-30, torch.zeros(6, 10)])
+    O = ns5(G, dtype="fp32", method=method)
+    assert torch.equal(O[0], ns5(A * 1e30, dtype="fp32", method=method))
+    assert torch.equal(O[1], ns5(B * 1e-30, dtype="fp32", method=method))
+    assert torch.equal(O[2], torch.zeros(6, 10))
+    norms = torch.linalg.matrix_norm(ns5_module.normalise(G).double())
+    torch.testing.assert_close(norms, torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64), atol=1e-6, rtol=0)

@@ -223,3 +223,30 @@ def test_tall_layout_iterates_the_transpose(method):
     tall = iterate(X.mT.contiguous(), KELLER5, method=method, tall=True)
     assert tall.shape == (3, 80, 24)
     torch.testing.assert_close(tall, wide.mT, rtol=1e-4, atol=1e-5)
+
+
+def test_ns5_gram_default_schedule_keeps_ill_conditioned_bf16_in_the_band():
+    """ns5(method="gram") itself — not iterate_gram with an explicit ``restart_after`` — uses the
+    restart-every-two-steps schedule: on σ log-spread over [1e-4, 1] in bf16 it stays in the band, where no
+    restart (σ_max ≈ 261) and Dao's single restart (≈ 1.30) leave it
+    (test_ill_conditioned_bf16_needs_the_restart)."""
+    G = log_spread(2, 64, 256, 1e-4, 1).float()
+    O = ns5(G, dtype="bf16", method="gram").double()
+    assert float(torch.linalg.svdvals(O).max()) <= BAND[1] + 0.03
+
+
+def test_iterate_dispatches_on_the_method():
+    """ns5.iterate (the compiled spectral path's entry) runs the iteration the method names, told apart by
+    torch's FLOP counter: "gram" and "auto" on a 1:4 matrix run Gram, "standard" and "auto" below
+    GRAM_MIN_ASPECT run the standard iteration — in both layouts."""
+    from nonans_optim.ns5 import iterate
+    for s, l in ((16, 64), (16, 32)):
+        X = normalise(torch.randn(2, s, l))
+        gram_wins = l >= GRAM_MIN_ASPECT * s
+        for method in ("gram", "standard", "auto"):
+            gram = method == "gram" or (method == "auto" and gram_wins)
+            want = gram_flops(s, l) if gram else standard_flops(s, l)
+            for tall in (False, True):
+                with FlopCounterMode(display=False) as fc:
+                    iterate(X.mT.contiguous() if tall else X, KELLER5, method=method, tall=tall)
+                assert fc.get_total_flops() == 2 * want, (s, l, method, tall)
