@@ -517,3 +517,47 @@ def test_fp64_fusion_with_set_loss_steps(name, impl):
         opt.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert opt.metrics()["fusion/gamma_mult"] != 1.0  # the Polyak step ran
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_set_loss_is_consumed_by_one_step_and_the_polyak_step_stays_on(impl):
+    """set_loss() gives the loss of *one* step: a later step without it folds no loss into L̄ (a stale loss
+    re-fed every step would pull L̄ towards an old value), yet the Polyak step stays on — Ḡ keeps tracking
+    the gradients and γ keeps the multiplier L̄/Ḡ — for the rest of the run, as the module promises."""
+    model = make_model()
+    opt = no.SFNorMuon(model.parameters(), lr=1e-2, impl=impl)
+    snaps = []
+    for i, given in enumerate((3.0, 5.0, None)):
+        opt.zero_grad()
+        loss_fn(model, make_batch(i)).backward()
+        if given is not None:
+            opt.set_loss(given)
+        opt.step()
+        snaps.append({k: opt._global()["polyak"][k].clone() for k in ("loss_ema", "gnorm_ema", "gamma_mult")})
+    assert snaps[1]["loss_ema"].item() == pytest.approx(0.98 * 3.0 + 0.02 * 5.0)
+    assert torch.equal(snaps[2]["loss_ema"], snaps[1]["loss_ema"])  # step 3 had no loss: L̄ unchanged
+    assert not torch.equal(snaps[2]["gnorm_ema"], snaps[1]["gnorm_ema"])  # but Ḡ followed step 3's gradients
+    want = (snaps[2]["loss_ema"] / snaps[2]["gnorm_ema"]).clamp(0.1, 10.0)
+    torch.testing.assert_close(snaps[2]["gamma_mult"], want, rtol=0, atol=0)
+    assert opt.metrics()["fusion/gamma_mult"] == pytest.approx(want.item())
+
+
+@pytest.mark.parametrize("cls", [no.SFAdamW, no.SFNorMuon], ids=["SFAdamW", "SFNorMuon"])
+def test_a_refused_step_is_not_counted(cls):
+    """A step() refused in eval mode, or for a sparse gradient, changes nothing — the global step included
+    (it drives warmup, the schedule-free weights, bias correction and the events' step labels): the next
+    real step is numbered as if the refused call had never been made."""
+    model = make_model()
+    opt = cls(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 2)
+    opt.eval()
+    with pytest.raises(RuntimeError, match="eval mode"):
+        opt.step()
+    opt.train()
+    assert opt.metrics()["optim/step"] == 2.0
+    model.embed.weight.grad = torch.sparse_coo_tensor([[0]], [[1.0] * 8], (11, 8), check_invariants=True)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert opt.metrics()["optim/step"] == 2.0
+    train_steps(model, opt, 1)
+    assert opt.metrics()["optim/step"] == 3.0

@@ -524,3 +524,60 @@ def test_polyak_multiplier_by_hand():
     st = init_polyak(torch.device("cpu"))
     mult, _ = update_polyak(st, None, f(1.0), f(1.0))  # no loss yet: multiplier 1
     assert mult.item() == 1.0
+
+
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_warmup_scales_step_t_by_t_over_warmup_steps(impl):
+    """warmup_steps=W multiplies the lr of step t (counted from 1) by min(1, t/W): the first step already
+    moves (by lr/W), step W is the first at the full lr. Pinned against torch's AdamW given that lr by
+    hand, and the γ metrics() reports follows the same ramp (an off-by-one, 0 on step 1 or full lr a step
+    early, would pass every test that runs without warmup)."""
+    models = [make_model() for _ in range(2)]
+    ours = no.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, warmup_steps=4, impl=impl)
+    ref = torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1)
+    for t in range(1, 7):
+        ref.param_groups[0]["lr"] = 1e-2 * min(1.0, t / 4)
+        for m, o in zip(models, (ours, ref)):
+            train_steps(m, o, 1, seed=t)
+        for a, b in zip(*(m.parameters() for m in models)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    model = make_model()
+    fusion = no.FullFusion(model.parameters(), lr=1e-2, warmup_steps=4, impl="foreach")
+    for t in range(1, 6):
+        train_steps(model, fusion, 1, seed=t)
+        m = fusion.metrics()  # γ = Polyak multiplier · lr · warmup
+        assert m["fusion/gamma_curr"] == pytest.approx(m["fusion/gamma_mult"] * 1e-2 * min(1.0, t / 4), rel=1e-12)
+
+
+@pytest.mark.parametrize("cls,components,defaults,polyak", [
+    (no.SFNorMuon, {"ns5", "normuon", "sf"}, dict(lr=1e-3, weight_decay=0.05, momentum=0.8), True),
+    (no.FullFusion, {"ns5", "normuon", "sf", "mona", "shampoo"}, dict(lr=1e-3, weight_decay=0.05, momentum=0.8),
+     True),
+    (no.Muon, {"ns5"}, dict(lr=1e-3, weight_decay=0.01, momentum=0.95), False),
+], ids=["SFNorMuon", "FullFusion", "Muon"])
+def test_presets_are_the_documented_component_sets_and_defaults(cls, components, defaults, polyak):
+    """Each preset is a named algorithm: a component dropped (FullFusion without KL-Shampoo, SFNorMuon
+    without NorMuon) or a default changed still trains the generic suite's tiny model, so nothing else
+    notices. Pins the components, the preset defaults (docstrings, ALGORITHMS.md §6), the shared Fusion
+    defaults, Polyak on/off and the schedule-free flag."""
+    opt = cls(make_model().parameters())
+    assert opt.components == frozenset(components)
+    assert opt._schedule_free == ("sf" in components)
+    assert opt._uses_polyak is polyak
+    assert opt.spike_factor == 10.0
+    shared = dict(nesterov=True, betas=(0.9, 0.999), eps=1e-8, sf_beta=0.9, normuon_beta2=0.95, normuon_eps=1e-8,
+                  mona_alpha=0.1, mona_beta=0.9, shampoo_beta=0.95, shampoo_refresh_every=10, ns_steps=5,
+                  ns5_dtype="auto", warmup_steps=0, momentum_dtype="auto", path=None)
+    for key, want in {**shared, **defaults}.items():
+        assert opt.defaults[key] == want, key
+        assert opt.param_groups[0][key] == want, key
+    assert ("sf_weight_sum" in opt.defaults) == ("sf" in components)
+    assert no.Muon(make_model().parameters(), polyak=True)._uses_polyak  # the Muon default only
+
+
+def test_fusion_defaults():
+    """Fusion(components=...) itself: Muon's momentum 0.95 with Nesterov, weight decay 0.01, Polyak on."""
+    opt = no.Fusion(make_model().parameters(), components=("ns5", "mona"))
+    assert opt.components == frozenset({"ns5", "mona"}) and not opt._schedule_free and opt._uses_polyak
+    assert (opt.defaults["momentum"], opt.defaults["nesterov"], opt.defaults["weight_decay"],
+            opt.defaults["lr"], opt.spike_factor) == (0.95, True, 0.01, 1e-3, 10.0)
