@@ -98,21 +98,21 @@ def _scalar_update(sf: bool, gate: bool) -> tuple[Callable, dict, dict]:
                                          ALIGNED=True, EMULATE=False)
 
 
-def _scalar_one(sf: bool) -> tuple[Callable, dict, dict]:
-    """The one-launch "repair" step (kernels/scalar_one.py): decisions, update and record in one kernel."""
+def _scalar_one(sf: bool) -> tuple[Callable, dict, dict, dict]:
+    """The one-launch "repair" step (kernels/scalar_one.py): decisions, update and record in one kernel, with
+    its launch's compile options."""
     import triton.language as tl
     from nonans_optim.kernels import scalar_one as k
     from nonans_optim.kernels.record import BLOCK_P
-    from nonans_optim.resolution import STAGE_INDEX, STAGES
+    from nonans_optim.resolution import STAGE_INDEX
 
     types = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32",
                  GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32",
                  SCRATCH="*i32", n="i32", nblocks="i32", COUNTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64",
                  RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64", RES_NUMEL="*i64", step="i32",
                  P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
-    s = len(STAGES)
     return k._one_launch_kernel, types, dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False,
-                                             S=s, S_PAD=1 << (s - 1).bit_length(), LOSS=STAGE_INDEX["loss"],
+                                             S=k._S, S_PAD=k._S_PAD, LOSS=STAGE_INDEX["loss"],
                                              GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P), dict(maxnreg=k.MAXNREG)
 
 

@@ -50,9 +50,16 @@ def _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK: tl.constexpr):
     """This program's id, its tensor, the block's first entry in that tensor, and how many entries are left
     from there (at least BLOCK except in a tensor's last block)."""
     pid = tl.program_id(0)
+    t, start, rem = _block_of(pid, BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
+    return pid, t, start, rem
+
+
+@triton.jit
+def _block_of(pid, BLOCK_TENSOR, FIRST, NUMEL, BLOCK: tl.constexpr):
+    """:func:`_block` for block ``pid`` of the launch's layout, whichever program handles it."""
     t = tl.load(BLOCK_TENSOR + pid)
     start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
-    return pid, t, start, tl.load(NUMEL + t) - start
+    return t, start, tl.load(NUMEL + t) - start
 
 
 @triton.jit

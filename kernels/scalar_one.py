@@ -48,7 +48,7 @@ import triton.language as tl
 from nonans_optim.resolution import STAGE_INDEX, STAGES
 
 from ._elementwise import elementwise_block
-from ._multi import _ROW, _column, _finite
+from ._multi import _ROW, _block, _block_of, _column, _finite
 from ._runtime import interpreting, on_device, tl_dtype
 from .record import BLOCK_P, record
 from .scalar_step import _columns, _recent, _speculative_update, group_launch
@@ -76,9 +76,7 @@ def _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DEN
                 SF: tl.constexpr, DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
                 BLOCK: tl.constexpr):
     """Block ``pid`` of the group as the update kernel's gated variant computes it (speculative, counted)."""
-    t = tl.load(BLOCK_TENSOR + pid)
-    start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
-    rem = tl.load(NUMEL + t) - start
+    t, start, rem = _block_of(pid, BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     p_ptr, g_ptr, s_ptr, v_ptr = _columns(ADDR, t, start, TY, ALIGNED)
     sel = tl.load(SEL + t)
     lr = tl.load(GAMMA) * tl.load(SCALE + sel)
@@ -95,17 +93,14 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
                        BLOCK_P: tl.constexpr):
     """One program per block of the group (see the module docstring). SCRATCH (int32, zero before the
     launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids]."""
-    pid = tl.program_id(0)
-    t = tl.load(BLOCK_TENSOR + pid)
+    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     sel = tl.load(SEL + t)
     first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)  # (a tensor with a block is not empty)
     candidate = _recent(STREAK, STREAK, EVENTS, sel, window, True, S, S_PAD, LOSS) & ~_finite(first)
     deferred = pid < 0  # False
     if candidate:
-        start = (pid.to(tl.int64) - tl.load(FIRST + t)) * BLOCK
         idx = tl.arange(0, BLOCK)
-        g = tl.load(_column(ADDR, t, 1, TY, start, ALIGNED) + idx, mask=idx < tl.load(NUMEL + t) - start,
-                    other=float("nan")).to(tl.float32)
+        g = tl.load(_column(ADDR, t, 1, TY, start, ALIGNED) + idx, mask=idx < rem, other=float("nan")).to(tl.float32)
         if tl.max(_finite(g).to(tl.int32), axis=0) > 0:
             tl.atomic_max(SCRATCH + 2 + t, 1)  # the tensor has a finite entry: it is not held
         else:
@@ -131,8 +126,8 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
         record(DENSE, COUNTS, EVENTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, SCALE, STREAK,
                ESCALATIONS, RES_NUMEL, step, P, K, backoff, min_scale, growth, window, S, S_PAD, LOSS, GRAD, True,
                True, BLOCK_P)
-        for start in range(0, 2 + n, BLOCK):  # the ticket and deferred counts and the flags; the ids are
-            idx = start + tl.arange(0, BLOCK)  # overwritten before they are read again
+        for at in range(0, 2 + n, BLOCK):  # the ticket and deferred counts and the flags; the ids are
+            idx = at + tl.arange(0, BLOCK)  # overwritten before they are read again
             tl.store(SCRATCH + idx, tl.zeros_like(idx), mask=idx < 2 + n)
 
 

@@ -110,13 +110,13 @@ def _scalar_one(args: tuple, indices: list[int], res, step: int, *, sf: bool, de
     """The group's step and the step's record in one launch: ``args`` as :func:`group_kernel_args` made them."""
     from ..kernels import scalar_one
 
-    params, grads, ms, vs, zs, gamma, (_, rule, _, dense), sel, bcs, hp = args
+    params, grads, ms, vs, zs, gamma, (_, _, _, dense), sel, bcs, hp = args
     device = params[0].device
     scalar_one.scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, sf=sf, decay_z=decay_z, sel=sel,
                                 counters=res.tensors, numel=res.numel, dense=dense, step=step,
                                 scratch=lambda size: res.kernel_scratch((indices[0], len(indices)), size, device),
                                 backoff=res.backoff, min_scale=res.min_scale, growth_interval=res.growth_interval,
-                                repeat_window=rule.window)
+                                repeat_window=res.repeat_window)
 
 
 def _failed(err: Exception, states: list[dict]) -> None:
