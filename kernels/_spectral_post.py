@@ -11,6 +11,7 @@ from ._elementwise import kept_finite
 from ._multi import (_DIR_INF, _DIR_NAN, _ROW, _UPDATE_INF, _UPDATE_NAN, _add_count, _block, _column, _finite,
                      _lerp, _load, _store, _sum_masked)
 
+
 @triton.jit
 def _row_has_bad(g_ptr, C, look, BLOCK_C: tl.constexpr):
     """Whether the row's gradient has a non-finite entry, read only where ``look`` (its tensor's gradient had
