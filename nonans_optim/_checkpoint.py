@@ -298,11 +298,24 @@ class Checkpointed:
             self.state[self._carrier()][GLOBAL_KEY] = legacy_global(legacy)
 
     def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
-        """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer kept
-        narrower on purpose (Fusion's ``momentum_dtype``) goes back to its saved dtype — an exact round
-        trip (bf16 → fp32 → bf16), so a resumed run stays bit-identical."""
-        for pid, p in zip(_ids(state_dict), self._all_params()):
-            saved = state_dict["state"].get(pid, {}).get("momentum_buffer")
+        """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer is
+        then put in the dtype this optimizer keeps it in for that parameter (:meth:`_buffer_dtype`, from the
+        loaded group's ``momentum_dtype``) — narrower on purpose (Fusion's "bf16") is an exact round trip
+        (bf16 → fp32 → bf16), so a resumed run stays bit-identical; "param" follows the parameter, so a
+        checkpoint of a bf16 model resumed on an fp32 copy gets fp32 momentum, as every other state tensor
+        does, not the saved bf16 for good."""
+        params = self._all_params()
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        positions = [j for g in self.param_groups for j in range(len(g["params"]))]
+        for pid, p, group, j in zip(_ids(state_dict), params, groups, positions):
             st = self.state.get(p)
-            if saved is not None and st is not None and st["momentum_buffer"].dtype != saved.dtype:
-                st["momentum_buffer"] = st["momentum_buffer"].to(saved.dtype)
+            if st is None or "momentum_buffer" not in state_dict["state"].get(pid, {}):
+                continue
+            want = self._buffer_dtype(group, j, p)
+            if want is not None and st["momentum_buffer"].dtype != want:
+                st["momentum_buffer"] = st["momentum_buffer"].to(want)
+
+    def _buffer_dtype(self, group: dict[str, Any], j: int, p: torch.Tensor) -> torch.dtype | None:
+        """The dtype of parameter ``j``'s momentum buffer in ``group`` (None: none kept, or torch's cast to
+        the parameter's dtype is right). Fusion's answer depends on ``momentum_dtype``."""
+        return None

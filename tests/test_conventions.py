@@ -32,9 +32,10 @@ class Wide(nn.Module):
 
 def _steps(model, opt, n: int, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
     for _ in range(n):
         opt.zero_grad()
-        model(torch.randn(16, 6, generator=g)).square().mean().backward()
+        model(torch.randn(16, 6, generator=g).to(dtype)).square().mean().backward()
         opt.step()
 
 
@@ -561,3 +562,44 @@ def test_a_refused_step_is_not_counted(cls):
     assert opt.metrics()["optim/step"] == 2.0
     train_steps(model, opt, 1)
     assert opt.metrics()["optim/step"] == 3.0
+
+
+@pytest.mark.parametrize("saved_dtype", [torch.bfloat16, torch.float64])
+def test_momentum_dtype_param_follows_the_loading_parameters(saved_dtype):
+    """momentum_dtype="param": the buffer is kept in the parameter's dtype. torch casts every floating state
+    tensor to the loading parameter's dtype; the buffer used to be put back in its *saved* dtype, so a bf16
+    (or fp64) model's checkpoint resumed on an fp32 copy kept bf16 (fp64) momentum for good — lower
+    precision, or a group the fp32 native loops no longer took. It now follows the parameter, with the
+    saved values (exactly, for bf16 → fp32)."""
+    src = Wide(5).to(saved_dtype)
+    opt = no.SFNorMuon(src.parameters(), momentum_dtype="param", ns5_dtype="fp32")
+    _steps(src, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    dst = Wide(5)
+    dst.load_state_dict({k: v.float() for k, v in src.state_dict().items()})
+    opt2 = no.SFNorMuon(dst.parameters(), momentum_dtype="param", ns5_dtype="fp32")
+    opt2.load_state_dict(saved)
+    matrices = [p for p in dst.parameters() if p.ndim == 2]
+    for i, q in enumerate(dst.parameters()):
+        if q.ndim == 2:
+            buf, was = opt2.state[q]["momentum_buffer"], saved["state"][i]["momentum_buffer"]
+            assert buf.dtype == torch.float32 and was.dtype == saved_dtype
+            if saved_dtype is torch.bfloat16:
+                assert torch.equal(buf, was.float())
+    assert matrices
+    _steps(dst, opt2, 1)
+    assert all(opt2.state[q]["momentum_buffer"].dtype == torch.float32 for q in matrices)
+
+
+def test_momentum_dtype_bf16_survives_a_load_exactly():
+    """momentum_dtype="bf16" on fp32 parameters: torch's cast to fp32 on load is undone, bit for bit."""
+    model = Wide(5)
+    opt = no.SFNorMuon(model.parameters(), momentum_dtype="bf16", ns5_dtype="fp32")
+    _steps(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    opt2 = no.SFNorMuon(model.parameters(), momentum_dtype="bf16", ns5_dtype="fp32")
+    opt2.load_state_dict(saved)
+    for i, p in enumerate(model.parameters()):
+        if p.ndim == 2:
+            buf = opt2.state[p]["momentum_buffer"]
+            assert buf.dtype == torch.bfloat16 and torch.equal(buf, saved["state"][i]["momentum_buffer"])

@@ -177,6 +177,11 @@ class Fusion(NonansOptimizer):
     def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
         return self._init_state(group, j, p)
 
+    def _buffer_dtype(self, group: dict[str, Any], j: int, p: torch.Tensor) -> torch.dtype | None:
+        if self._path_of(group, j, p) != "spectral":
+            return None
+        return torch.bfloat16 if _momentum_dtype(group, p) == "bf16" else p.dtype
+
     def _init_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, torch.Tensor]:
         comps = self.components
         if self._path_of(group, j, p) == "spectral":
