@@ -427,7 +427,9 @@ class NonansOptimizer(Checkpointed, Optimizer):
             mult = float(pol["gamma_mult"]) if pol is not None else 1.0
             out["fusion/gamma_mult"] = mult
             g0 = self.param_groups[0]
-            out["fusion/gamma_curr"] = mult * float(g0["lr"]) * (_warmup(g0, st["step"]) if st else 1.0)
+            # the step size of the last step: before the first one, warmup's factor at t = 0 (0 with
+            # warmup — no step has moved anything yet — and 1 without)
+            out["fusion/gamma_curr"] = mult * float(g0["lr"]) * _warmup(g0, st["step"] if st else 0)
         if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
             out.update(self._get_resolution().summary())
         elif self.resolution_policy != "off":
