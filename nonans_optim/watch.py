@@ -3,10 +3,11 @@
 Why device-side flags. ``torch.autograd.detect_anomaly`` answers the same question by checking every
 autograd node on the host (~1.9x step time on CPU, a device sync per node on GPU; PRIOR_ART.md
 "Non-finite handling"). Here every hook only *enqueues* a few tiny ops: ``(t - t).sum() != 0`` per
-tensor (True iff some entry is NaN/±Inf), then ``torch.where`` writes a packed event code into a 0-d int64 flag that starts at -1 and is
-written only while it is still -1. Hooks fire in execution order, so the first write wins and the flag
-holds the first event, without any host-device synchronisation. :meth:`Watch.first_nonfinite` and
-:meth:`Watch.report` are the only methods that read the flags (one sync per device and phase).
+tensor (True iff some entry is NaN/±Inf), then ``torch.where`` writes a packed event code into a 0-d
+int64 flag that starts at -1 and is written only while it is still -1. Hooks fire in execution order, so
+the first write wins and the flag holds the first event, without any host-device synchronisation.
+:meth:`Watch.first_nonfinite` and :meth:`Watch.report` are the only methods that read the flags (one sync
+per device and phase).
 
 What is recorded (each module is numbered in ``model.named_modules()`` order; ``call`` counts the
 module's forward calls since the last :meth:`Watch.reset`, so a module reused in one forward is told
@@ -25,6 +26,12 @@ apart):
   Checked for leaf modules (no children), on the autograd nodes that feed the module's inputs.
 * backward, ``where="grad_param"``: same, for the gradient a leaf module sends to its own parameters
   (e.g. a finite output gradient times a non-finite saved input: the forward was already non-finite).
+  A module with children may hold parameters of its own too (a ViT's ``pos_embed`` and ``cls_token``, a
+  LayerScale written into a block's forward): their gradients are checked by a hook on each such
+  parameter, and named ``grad_param`` of that module with its last call. Backward reaches them after
+  the gradients at the module's output and its children, which are checked first, so the event is the
+  first only when everything before it was finite — the module's own body made it (``sqrt`` of its
+  parameter at 0, say). Without this, such a gradient went unnamed: no leaf module holds the parameter.
 * backward, ``where="grad_output"``: the gradient arriving at a module's output is non-finite: it was
   made by backward code outside every watched leaf — the body of ``inside`` between this module's output
   and its consumers, or the loss when the module is the root.
@@ -107,6 +114,10 @@ class Watch:
                 self._make_pre_hook(idx, leaf), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 self._make_post_hook(idx), with_kwargs=True, always_call=True))
+            if backward and not leaf:  # a leaf's parameters are reached through its boundary nodes
+                for prm in module._parameters.values():
+                    if prm is not None and prm.requires_grad:
+                        self._handles.append(prm.register_hook(self._make_param_hook(idx)))
         self._slots = 3 * len(self._names)
         self.reset()
 
@@ -130,6 +141,7 @@ class Watch:
         self._flags: dict[str, dict[torch.device, list[torch.Tensor]]] = {"forward": {}, "backward": {}}
         self._seq = {"forward": 0, "backward": 0}
         self._calls = [0] * len(self._names)
+        self._parents = [-1] * len(self._names)  # each module's enclosing module at its last call
         self._active: list[tuple[int, int, int, list]] = []  # (idx, call, parent, input edges)
         self._recent: OrderedDict[int, tuple[weakref.ref, int]] = OrderedDict()
 
@@ -212,6 +224,7 @@ class Watch:
             call = self._calls[idx]
             self._calls[idx] += 1
             parent = self._active[-1][0] if self._active else -1
+            self._parents[idx] = parent
             tensors = _tensors((args, kwargs)) if (self.forward and self.inputs) or leaf else []
             edges = []
             if self.backward and leaf and torch.is_grad_enabled():
@@ -242,6 +255,15 @@ class Watch:
                     self._hook_grad_input(tensors, edges, idx, call, parent)
             return None
         return post_hook
+
+    def _make_param_hook(self, idx: int):
+        """A hook on a parameter a module with children holds itself: its gradient (summed over its uses),
+        attributed to that module's last call, as ``grad_param``."""
+        def param_hook(grad: torch.Tensor) -> None:
+            if not self._removed:  # (a use outside the module, or no call since reset(): call 0)
+                self._record("backward", [grad], idx, max(self._calls[idx] - 1, 0), self._parents[idx], 2)
+            return None
+        return param_hook
 
     def _hook_grad_output(self, outputs: list[torch.Tensor], idx: int, call: int, parent: int) -> None:
         """Pre-hook on each output's autograd node: sees d(loss)/d(output) before the module's backward.
@@ -311,7 +333,8 @@ def watch(model: nn.Module, *, forward: bool = True, backward: bool = True, inpu
     Args:
         model: the module; every submodule present now is watched (modules added later are not).
         forward: check every module's outputs (and, with ``inputs``, its inputs) in forward.
-        backward: check gradients at module outputs and leaf modules' input gradients in backward.
+        backward: check gradients at module outputs, leaf modules' input and parameter gradients, and
+            the gradients of parameters that modules with children hold themselves, in backward.
         inputs: also check forward inputs, so a value made between modules (functional code in a parent's
             forward, or the data) is attributed to that code instead of to the next layer.
 

@@ -89,7 +89,22 @@ def mlp_with(middle: nn.Module) -> nn.Sequential:
 
 
 def all_hooks_empty(model: nn.Module) -> bool:
-    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    return (all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+            and all(not p._backward_hooks for p in model.parameters()))
+
+
+class OwnGain(nn.Module):
+    """A module with a child and a parameter of its own used in its forward body (a LayerScale-like
+    gain, zero-initialised): sqrt(0) = 0 forward, so everything is finite but the gain's own gradient
+    (d sqrt / d gain at 0 = Inf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return x + self.lin(x) * torch.sqrt(self.gain)
 
 
 def test_middle_layer_nan_is_named_with_type_and_not_later_layers():
@@ -363,3 +378,42 @@ def test_no_sync_under_cuda_sync_debug_mode():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert w.report()["backward"]["type"] == "Sqrt"
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_parameter_held_by_a_module_with_children_is_checked_in_backward(nested):
+    """Only leaf modules' parameters were reached (through their boundary nodes), so a non-finite gradient
+    of a parameter that a module with children holds itself (a ViT's pos_embed, a LayerScale gain in a
+    block's forward) went unnamed: the report said nothing while the optimizer received a NaN/Inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), OwnGain()) if nested else OwnGain()
+    gain = model[1].gain if nested else model.gain
+    with watch(model) as w:
+        out = model(torch.randn(8, 4))
+        assert w.report()["forward"] is None
+        out.sum().backward()
+        rep = w.report()
+    assert not torch.isfinite(gain.grad).all()  # the test really produced a bad gradient
+    assert rep["backward"] == {"phase": "backward", "module": "1" if nested else "", "type": "OwnGain",
+                               "call": 0, "where": "grad_param", "inside": "" if nested else None}
+    assert all_hooks_empty(model)
+
+
+def test_a_bad_gradient_from_a_child_is_named_before_the_parents_own_parameter():
+    """The parameter hook fires after the module's children have sent their gradients, so when a child
+    made the NaN (here ``Sqrt`` at 0, which also reaches the gain), the child is named, not the gain."""
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.clip, self.sqrt = ClipZero(), Sqrt()
+            self.gain = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.sqrt(self.clip(x * self.gain))
+
+    model = Both()
+    with watch(model) as w:
+        model(torch.randn(64, 4)).sum().backward()
+        rep = w.report()
+    assert not torch.isfinite(model.gain.grad).all()
+    assert rep["backward"]["module"] == "sqrt" and rep["backward"]["where"] == "grad_input"
