@@ -603,3 +603,66 @@ def test_momentum_dtype_bf16_survives_a_load_exactly():
         if p.ndim == 2:
             buf = opt2.state[p]["momentum_buffer"]
             assert buf.dtype == torch.bfloat16 and torch.equal(buf, saved["state"][i]["momentum_buffer"])
+
+
+class LogitScale(nn.Module):
+    """A Linear and a 0-d parameter (CLIP's ``logit_scale``): a 0-d tensor takes part in type promotion
+    differently from one with dimensions, which three paths got wrong (below)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(6, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(2.6))
+
+    def forward(self, x):
+        return self.lin(x) * self.logit_scale.exp()
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SFAdamW", "Muon", "SFNorMuon"])
+@pytest.mark.parametrize("impl,dtype", [("loop", torch.bfloat16), ("foreach", torch.float16),
+                                        ("fused", torch.bfloat16)])  # (fused: the compiled kernels)
+def test_a_half_precision_0d_parameter_steps_and_repair_equals_off(dtype, name, impl):
+    """The 0-d parameter's update came out in fp32 (0-d times the 0-d fp32 step size promotes), and the
+    guarded write into the bf16/fp16 parameter raised under "repair" and "skip": AdamW and Muon crashed at
+    their first step on such a model, which torch.optim.AdamW steps."""
+    runs = {}
+    for policy in ("repair", "skip", "off"):
+        model = LogitScale().to(dtype)
+        opt = getattr(no, name)(model.named_parameters(), lr=1e-2, impl=impl, resolution=policy)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 6, generator=g).to(dtype)).float().square().mean().backward()
+            opt.step()
+        runs[policy] = [p.detach().clone() for p in model.parameters()]
+        assert model.logit_scale.dtype == dtype and model.logit_scale.dim() == 0
+    assert not torch.equal(runs["off"][0], LogitScale().to(dtype).logit_scale)  # it moved
+    assert all(torch.equal(a, b) for a, b in zip(runs["repair"], runs["off"]))
+    # "skip" on the 0-d parameter as "off" (its matrix may differ in the last bf16 bit under impl="fused":
+    # the compiled spectral step does not cover "skip", which runs the foreach step, rounded differently)
+    assert torch.equal(runs["skip"][0], runs["off"][0])
+
+
+@pytest.mark.parametrize("impl", ["foreach", "compiled", "fused"])
+def test_fp64_parameters_of_any_shape_match_torch_adamw(impl):
+    """fp64 groups run the compiled kernel under impl="compiled" and "fused" (the native loops are fp32).
+    There a 0-d tensor's in-place writes were lost (its moments never moved: 1e-2 off torch's AdamW after
+    five steps), and under "repair" the per-parameter step sizes were rounded to fp32 (a 1-D fp32 scale
+    times the 0-d fp64 γ promotes to fp32: 1e-9 off). Both now match torch to fp64 rounding."""
+    shapes = [(), (1,), (3,), (4, 5)]
+    gen = torch.Generator().manual_seed(0)
+    ref = [nn.Parameter(torch.randn(s, dtype=torch.float64, generator=gen)) for s in shapes]
+    ours = [nn.Parameter(p.detach().clone()) for p in ref]
+    t_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    o_opt = no.AdamW(ours, lr=1e-2, weight_decay=0.1, impl=impl)
+    for _ in range(5):
+        for p, q in zip(ref, ours):
+            p.grad = torch.randn(p.shape, dtype=torch.float64, generator=gen)
+            q.grad = p.grad.clone()
+        t_opt.step()
+        o_opt.step()
+    for p, q in zip(ref, ours):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-15)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(o_opt.state[q][k], t_opt.state[p][k], rtol=0, atol=1e-15)

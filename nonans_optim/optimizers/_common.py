@@ -136,7 +136,13 @@ def keep_flags(ctx: dict[str, Any], indices: list[int], grads: list[Tally]) -> l
 
 def _guarded_write(dst: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> Tally:
     """dst ← new where finite and ``keep`` (0-d bool: not held) — one select straight into dst; returns the
-    tally of ``new`` (:func:`record_tally` applies ``keep`` to it)."""
+    tally of ``new`` (:func:`record_tally` applies ``keep`` to it).
+
+    ``new`` is first rounded to dst's dtype: the value that would be stored is the one that must be finite
+    (an fp32 result near fp32's maximum is Inf in bf16), and a 0-d bf16/fp16 parameter's update arrives in
+    fp32 — a 0-d tensor times the 0-d fp32 step size promotes, where a parameter with dimensions would not
+    — which ``where(out=dst)`` refused, so such a parameter (a CLIP-style ``logit_scale``) crashed "repair"."""
+    new = new.to(dst.dtype)
     ok, t = tally(new)
     if keep is not None:  # a 0-d flag folded into the bool mask, not a second full-size select
         ok &= keep

@@ -194,7 +194,9 @@ def _group_kernel(params, grads, ms, vs, zs, gamma, res, sel, bcs, hp, sf: bool,
         return
     scale, recent, ema, dense = res
     spike_scales, spike = guard_spikes(grads, ema, sel, factor)
-    lrs, rec = gamma * scale.index_select(0, sel), recent.index_select(0, sel)
+    # in gamma's dtype: a 1-D fp32 scale times the 0-d fp64 γ of an fp64 group promotes to fp32 (a 0-d
+    # operand does not decide the type), which rounded every fp64 step size under "repair"
+    lrs, rec = gamma * scale.index_select(0, sel).to(gamma.dtype), recent.index_select(0, sel)
     rows = [_one_tensor(p, g, m, v, z, lrs[i], bcs[i, 0], bcs[i, 1], hp, sf, policy, decay_z,
                         rec[i],  # the hold rule, under "repair" and "skip" (_common.keep_flags)
                         spike_scales[i] if spike_scales is not None else None)
@@ -307,7 +309,16 @@ def group_kernel_args(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     zs = [st["z"] if sf else None for st in states]
     vs = [st["exp_avg_sq"] for st in states]
     sel, res, _ = resolution_args(ctx, indices, device, recent_rule=recent_rule)
-    return params, grads, ms, vs, zs, gamma, res, sel, bcs, hp
+    return ([_one_d(p) for p in params], [_one_d(g) for g in grads], [_one_d(m) for m in ms],
+            [_one_d(v) for v in vs], [_one_d(z) for z in zs], gamma, res, sel, bcs, hp)
+
+
+def _one_d(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 0-d tensor as a 1-entry view of the same storage (None and every other tensor as they are). The
+    compiled group kernel (torch 2.13, CPU inductor) lost its in-place writes to 0-d fp64 tensors — a
+    0-d parameter's moments were never updated and its step went wrong by 1e-2 against torch's AdamW —
+    while 1-entry tensors are written; the view writes through to the parameter and its state."""
+    return t.view(1) if t is not None and t.dim() == 0 else t
 
 
 def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],

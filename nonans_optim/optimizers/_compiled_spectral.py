@@ -155,7 +155,7 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
                 total = totals[j, 0, 0]
                 dir_counts[i] = torch.stack((total != total, total.abs() == float("inf"))).to(torch.int64)
     scale = res[0] if gate else None
-    lrs = gamma * scale.index_select(0, sel) if gate else None
+    lrs = gamma * scale.index_select(0, sel).to(gamma.dtype) if gate else None  # (see _compiled's)
     upd = []
     for i, p in enumerate(params):
         lr = lrs[i] if gate else gamma

@@ -5,8 +5,9 @@ for biases, norms, embeddings and heads. State keys follow torch: ``step``, ``ex
 schedule-free adds ``z`` (the parameter holds y).
 
 Policies (see :mod:`nonans_optim.resolution`):
-* ``repair`` — per-entry gating inside the moment updates, then the last-line update guard (``_common.commit_update``) on the new
-  parameter (and z); on a clean step every gate selects the stock value;
+* ``repair`` — per-entry gating inside the moment updates, then the last-line update guard
+  (``_common.commit_update``) on the new parameter (and z); on a clean step every gate selects the stock
+  value;
 * ``skip`` — the same computation, then the whole tensor's parameter and state are restored when its
   gradient had any non-finite entry (GradScaler semantics per tensor);
 * ``off`` — stock arithmetic, no detection.
