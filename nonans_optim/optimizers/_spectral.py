@@ -13,6 +13,10 @@ Resolution inside the path (beyond the gradient gate in :mod:`~nonans_optim.func
 * a non-finite NS5/NorMuon result (impossible for finite input with :func:`ns5`'s fp32 normalisation, but
   counted anyway, per matrix) reaches the update guard, which keeps the parameter where it was at those
   entries; the NorMuon row moment keeps its previous value wherever the new one is not finite;
+* without NS5 the direction is the momentum itself, whose squares can overflow fp32 although it is finite:
+  RMS matching then takes a scaled norm (a finite direction always gives an update of RMS 0.2), and a
+  NorMuon row whose new moment overflows with a finite gradient row keeps its moment, divides by it, and
+  is counted at the "moment" stage (functional/normuon.py);
 * the new parameter / z is kept only where finite.
 """
 from __future__ import annotations
@@ -56,28 +60,35 @@ def spectral_init_state(p: torch.Tensor, comps: frozenset[str], momentum_dtype: 
 
 
 def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: list, group: dict,
-                comps: frozenset[str], batched: bool, count: bool) -> tuple[list[torch.Tensor], list, list]:
+                comps: frozenset[str], batched: bool, count: bool) -> tuple[list[torch.Tensor], list, list, list]:
     """NS5 (+ NorMuon) on a list of same-shape fp32 matrices: one batched call or a loop. ``count``: also
     each direction's tensor-level [nan, inf] counts (:func:`tensor_counts` of its sum), for a batch from
-    one reduction over the stack rather than five small ops per matrix; else Nones."""
+    one reduction over the stack rather than five small ops per matrix; else Nones. Last, per matrix, the
+    number of NorMuon rows whose moment overflowed with a finite gradient row (0-d int64), or None: only
+    without NS5 can that happen (functional/normuon.py), so only then is it gated and counted."""
+    bounded = "ns5" in comps  # NS5's output cannot overflow a square: the plain norms, today's bits
+
     def one(M, v, row_ok):
-        O = ns5(M, group["ns_steps"], dtype=group["ns5_dtype"]).float() if "ns5" in comps else M.float()
+        O = ns5(M, group["ns_steps"], dtype=group["ns5_dtype"]).float() if bounded else M.float()
+        overflow = None
         if "normuon" in comps:
-            U, v_new = normuon(O, v, row_ok, beta2=group["normuon_beta2"], eps=group["normuon_eps"])
+            U, v_new, overflow = normuon(O, v, row_ok, beta2=group["normuon_beta2"], eps=group["normuon_eps"],
+                                         bounded=bounded)
         else:
-            U, v_new = rms_match(O), None
-        return U, v_new, (tensor_counts(U.sum((-2, -1))) if count else None)
+            U, v_new = rms_match(O, bounded=bounded), None
+        over = torch.count_nonzero(overflow, dim=-1) if overflow is not None else None
+        return U, v_new, (tensor_counts(U.sum((-2, -1))) if count else None), over
 
     if not batched or len(Ms) == 1:
         out = [one(M, v, r) for M, v, r in zip(Ms, vs, row_oks)]
-        return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+        return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out], [o[3] for o in out]
     M = torch.stack(Ms)
     v = torch.stack(vs) if vs[0] is not None else None
     r = torch.stack(row_oks) if row_oks[0] is not None else None
-    U, v_new, counts = one(M, v, r)
+    U, v_new, counts, over = one(M, v, r)
     n = len(Ms)
-    return (list(U.unbind(0)), (list(v_new.unbind(0)) if v_new is not None else [None] * n),
-            (list(counts.unbind(0)) if counts is not None else [None] * n))
+    unbound = lambda x: list(x.unbind(0)) if x is not None else [None] * n  # noqa: E731
+    return unbound(U), unbound(v_new), unbound(counts), unbound(over)
 
 
 def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
@@ -143,13 +154,15 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         buckets.setdefault(tuple(M.shape), []).append(i)
     Us: list[torch.Tensor | None] = [None] * len(Ms)
     for members in buckets.values():
-        U_b, v_b, c_b = _directions([Ms[i] for i in members], [vs[i] for i in members],
-                                    [row_oks[i] for i in members], group, comps, batched=impl != "loop",
-                                    count=repair)
-        for i, U, v_new, counts in zip(members, U_b, v_b, c_b):
+        U_b, v_b, c_b, o_b = _directions([Ms[i] for i in members], [vs[i] for i in members],
+                                         [row_oks[i] for i in members], group, comps, batched=impl != "loop",
+                                         count=repair)
+        for i, U, v_new, counts, over in zip(members, U_b, v_b, c_b, o_b):
             Us[i] = U
             if repair:  # a non-finite entry of U makes y_new non-finite there: the update guard keeps p
                 record(ctx, indices[i], "direction", counts)
+            if over is not None:  # NorMuon rows whose moment overflowed (and kept its value): the moment stage
+                record_inf(ctx, indices[i], "moment", over)
             if v_new is not None:
                 v_old = states[i]["normuon_row_sq"]
                 if repair:
