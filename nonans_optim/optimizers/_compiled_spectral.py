@@ -119,6 +119,7 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
     n = len(params)
     Us: list[Any] = [None] * n
     dir_counts: list[Any] = [None] * n
+    mom_counts: list[Any] = [None] * n  # NorMuon rows whose moment overflowed (no NS5 only)
     for (members, tall), O in zip(buckets, outs):
         # A tall matrix is iterated tall (ns5.iterate(tall=True)), so O arrives in the parameter's own layout:
         # a transposed read inside the graph made inductor tile the update loop in 2-D and split the flat
@@ -129,12 +130,22 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
         O = O.float()
         row_sq = O.square().sum(dim=-1)  # (B, m)
         row_sum = O.sum(dim=-1) if gate else None
+        if not ns5:  # O is the momentum itself: its squares may pass fp32's maximum (functional/normuon.py)
+            row_sq64 = O.double().square().sum(dim=-1)
+            row_sum = O.double().sum(dim=-1) if gate else None
         if normuon:
             v = torch.stack([vs[i] for i in members])
             v_new = torch.lerp(v, row_sq / O.shape[-1], one_m_b2)
             if gate:
                 row_ok = torch.stack([finite_mask(grads[i]).all(dim=-1) for i in members])
-                v_new = torch.where(row_ok, v_new, v)
+                if ns5:  # bounded O: v_new cannot overflow; the finiteness gate below only guards storage
+                    v_new = torch.where(row_ok, v_new, v)
+                else:  # an overflow with a finite gradient row keeps v and divides by it: the moment stage
+                    fresh = finite_mask(v_new)
+                    over = (row_ok & ~fresh).sum(dim=-1)
+                    v_new = torch.where(row_ok & fresh, v_new, v)
+                    for j, i in enumerate(members):
+                        mom_counts[i] = over[j]
             inv = 1.0 / (v_new.sqrt() + eps)  # 1/dᵢ
             if gate:
                 v_new = torch.where(finite_mask(v_new), v_new, v)
@@ -142,10 +153,16 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
                 vs[i].copy_(v_new[j])
         else:
             inv = torch.ones_like(row_sq)
-        norm = (row_sq * inv * inv).sum(dim=-1, keepdim=True).sqrt()  # ‖Ô‖_F, (B, 1)
         numel = O.shape[-1] * O.shape[-2]
-        factor = torch.where(norm > 0, RMS_TARGET * numel ** 0.5 / norm, torch.zeros_like(norm))
-        row_scale = inv * factor  # (B, m)
+        if ns5:
+            norm = (row_sq * inv * inv).sum(dim=-1, keepdim=True).sqrt()  # ‖Ô‖_F, (B, 1)
+            factor = torch.where(norm > 0, RMS_TARGET * numel ** 0.5 / norm, torch.zeros_like(norm))
+            row_scale = inv * factor  # (B, m)
+        else:  # in float64, where no square of an fp32 value overflows: a finite Ô gives RMS 0.2, not 0
+            inv64 = inv.double()
+            norm = (row_sq64 * inv64 * inv64).sum(dim=-1, keepdim=True).sqrt()
+            factor = torch.where(norm > 0, RMS_TARGET * numel ** 0.5 / norm, torch.zeros_like(norm))
+            row_scale = (inv64 * factor).float()
         U = O * row_scale.unsqueeze(-1)
         if gate:  # ΣU = Σᵢ row_scaleᵢ·ΣⱼOᵢⱼ: finite iff every entry of U is (RMS 0.2: no overflow)
             totals = (row_sum * row_scale).sum(dim=-1).reshape(-1, 1, 1)
@@ -186,6 +203,8 @@ def _post(outs, params, grads, zs, vs, pre_counts, hold, gamma, res, sel, hp, bu
         upd.append(torch.stack((torch.where(keep, zero, u_nan), torch.where(keep, zero, u_bad - u_nan))))
     if gate:
         gc, spike, mc = pre_counts
+        if normuon and not ns5:
+            mc = mc + torch.stack([torch.stack((torch.zeros_like(k), k)) for k in mom_counts])
         per_stage = {"grad": gc, "moment": mc, "direction": torch.stack(dir_counts), "update": torch.stack(upd)}
         if spike is not None:
             per_stage["spike"] = spike
