@@ -83,6 +83,24 @@ static inline __attribute__((always_inline)) void update_row_avx512_(
 #define UPDATE_ROW_ update_row_
 #endif
 
+/* Σⱼ (O·inv)² of a tensor's rows in double: the rare path of ‖Ô‖_F, taken only when the fp32 row sums (or
+ * their products with 1/dᵢ²) came out non-finite. NS5's output cannot get there, but a finite O whose squares
+ * pass fp32's maximum (entries past ~1e19) would otherwise give ‖Ô‖_F = +Inf and a silently zero update;
+ * in double no square of an fp32 value overflows. A non-finite O stays non-finite (the direction count). */
+static double frobenius_sq_wide_(const void *o, int o_bf16, const float *inv, int64_t R, int64_t C) {
+    double nsq = 0.0;
+    for (int64_t r = 0; r < R; r++) {
+        double sq = 0.0;
+        for (int64_t j = 0; j < C; j++) {
+            const double x = o_bf16 ? (double)bf16_to_f32_(((const uint16_t *)o)[r * C + j])
+                                    : (double)((const float *)o)[r * C + j];
+            sq += x * x;
+        }
+        nsq += sq * ((double)inv[r] * (double)inv[r]);
+    }
+    return nsq;
+}
+
 /* The direction side, on the NS5 outputs o (hot dtype, the parameters' layout). p, z (NULL without
  * schedule-free), v (NorMuon row moments, NULL without NorMuon): per tensor; row_ok and hold as pre wrote
  * them (hold: bit 0 the hold rule, bit 1 "skip" — nothing written, counts kept); hp = {1-β₂ᴺ, εᴺ, λ, c,
@@ -98,12 +116,13 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
     int64_t total_rows = 0;
     for (int64_t i = 0; i < n; i++) total_rows += rows[i];
     float *rs = calloc((size_t)(3 * total_rows + 1), sizeof(float));   /* Σ O², Σ O, 1/dᵢ per row */
-    int64_t *cnt = calloc((size_t)(2 * n * T + 3 * n + 1), sizeof(int64_t));  /* counts, row offsets, dir counts */
+    /* update counts, NorMuon moment-overflow counts (per tensor and thread), row offsets, dir counts */
+    int64_t *cnt = calloc((size_t)(3 * n * T + 3 * n + 1), sizeof(int64_t));
     if (!rs || !cnt) {
         free(rs); free(cnt);
         return 1;
     }
-    int64_t *row_off = cnt + 2 * n * T, *dirc = row_off + n;
+    int64_t *mom = cnt + 2 * n * T, *row_off = mom + n * T, *dirc = row_off + n;
     int64_t max_cols = 1;
     for (int64_t i = 0, acc = 0; i < n; i++) {
         row_off[i] = acc;
@@ -124,6 +143,7 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
             const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
             float *row_sq = rs + base, *row_sum = rs + total_rows + base, *inv = rs + 2 * total_rows + base;
             /* pass A */
+            int64_t mom_t = 0;
             for (int64_t r = r0; r < r1; r++) {
                 float sq = 0.0f, sm = 0.0f;
                 if (o_bf16) {
@@ -141,17 +161,25 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
                 if (normuon) {
                     const float vo = v[i][r];
                     float vn = lerpf_(vo, sq / (float)C, one_m_b2);
-                    if (gate) vn = row_ok[base + r] ? vn : vo; /* a row that saw a bad gradient keeps its moment */
+                    if (gate) { /* a row that saw a bad gradient keeps its moment; so does one whose moment
+                                 * overflowed with a finite gradient (counted: the moment stage), and its
+                                 * direction divides by the kept value, not by +Inf (which would zero the row) */
+                        const int ok = row_ok[base + r], over = ok && !finitef_(vn);
+                        mom_t += over;
+                        vn = ok && !over ? vn : vo;
+                    }
                     d = 1.0f / (sqrtf(vn) + eps);
                     if (gate) vn = finitef_(vn) ? vn : vo;
                     if (!(gate && (hold[i] & 2))) v[i][r] = vn; /* "skip": used for this step, not kept */
                 }
                 inv[r] = d;
             }
+            mom[i * T + tid] = mom_t;
 #pragma omp barrier
             /* ‖Ô‖_F and the RMS-matching factor: the same sum, in the same order, on every thread */
             double nsq = 0.0;
             for (int64_t r = 0; r < R; r++) nsq += (double)(row_sq[r] * inv[r] * inv[r]);
+            if (__builtin_expect(!isfinite(nsq), 0)) nsq = frobenius_sq_wide_(o[i], o_bf16, inv, R, C);
             const float norm = (float)sqrt(nsq);
             const float target = (float)(0.2 * sqrt((double)(R * C)));
             const float fac = norm > 0.0f ? target / norm : 0.0f;
@@ -189,9 +217,14 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
     }
     if (gate && dense != NULL) {
         for (int64_t i = 0; i < n; i++) {
-            int64_t un = 0, ub = 0;
-            for (int t = 0; t < T; t++) { un += cnt[(i * T + t) * 2]; ub += cnt[(i * T + t) * 2 + 1]; }
+            int64_t un = 0, ub = 0, mo = 0;
+            for (int t = 0; t < T; t++) {
+                un += cnt[(i * T + t) * 2];
+                ub += cnt[(i * T + t) * 2 + 1];
+                mo += mom[i * T + t];
+            }
             int64_t *row = dense + sel[i] * NSTAGE * 2;
+            row[ST_MOMENT * 2 + 1] += mo;
             row[ST_DIRECTION * 2] += dirc[2 * i];
             row[ST_DIRECTION * 2 + 1] += dirc[2 * i + 1];
             row[ST_UPDATE * 2] += un;
