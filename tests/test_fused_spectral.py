@@ -207,3 +207,58 @@ def test_bf16_buffer_entry_that_rounds_to_inf_is_kept(impl):
     assert buf.dtype == torch.bfloat16 and torch.isfinite(buf).all() and torch.isfinite(p).all()
     assert buf[3, 7] == 0 and buf[5, 9] == torch.tensor(3.39e38).to(torch.bfloat16)
     assert opt.metrics()["resolution/inf_moment"] == 1
+
+
+def _unbounded_ns5(monkeypatch, big: float):
+    """NS5's output scaled by ``big`` in both the native path (its iterate) and the loop (its ns5), and the
+    loop's NorMuon / RMS matching told that the direction is unbounded (which only a composition without NS5
+    is, and which the fused paths do not cover): the same direction reaches both, with squares past fp32's
+    maximum."""
+    from nonans_optim.functional import normuon as nm
+    real_iterate, real_ns5 = _fused_spectral.iterate, _spectral.ns5
+    monkeypatch.setattr(_fused_spectral, "iterate", lambda *a, **k: real_iterate(*a, **k) * big)
+    monkeypatch.setattr(_spectral, "ns5", lambda *a, **k: real_ns5(*a, **k) * big)
+    monkeypatch.setattr(_spectral, "normuon", lambda *a, bounded, **k: nm.normuon(*a, bounded=False, **k))
+    monkeypatch.setattr(_spectral, "rms_match", lambda O, bounded: nm.rms_match(O, bounded=False))
+
+
+@pytest.mark.parametrize("policy", ["off", "repair", "skip"])
+@pytest.mark.parametrize("comps", [("ns5",), ("ns5", "normuon"), ("ns5", "normuon", "sf")],
+                         ids=["ns5", "ns5-normuon", "ns5-normuon-sf"])
+def test_direction_whose_squares_overflow_matches_loop(monkeypatch, comps, policy):
+    """The post loop's overflow handling, reached by scaling NS5's output by 2^70 (entries ~1e20: every row's
+    fp32 Σ O² overflows). ‖Ô‖_F is rescanned in double (it was +Inf: a zero update), and under the gate a
+    NorMuon row whose moment overflowed keeps v, divides by it and counts one Inf at the "moment" stage —
+    parameters, state and counts as the loop computes them, and the native loops really ran."""
+    ran = []
+    real = _fused_spectral.fused_spectral_update
+    monkeypatch.setattr(_spectral, "fused_spectral_update", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    _unbounded_ns5(monkeypatch, 2.0 ** 70)
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in [(8, 24), (8, 24), (20, 12)]]
+        opt = no.Fusion([{"params": ps, "path": "spectral"}], components=comps, impl=impl, lr=0.02,
+                        weight_decay=0.0, resolution=policy, spike_factor=None)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(3):
+            before = [p.detach().clone() for p in ps]
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            if t == 0:
+                first = [p.detach() - b for p, b in zip(ps, before)]
+        runs.append((ps, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    assert len(ran) == 3 and all(ran)
+    stock = policy == "off" and "normuon" in comps  # v = +Inf, then lerp(Inf, x) = NaN: no resolution asked
+    assert stock or all(torch.isfinite(p).all() for p in got)
+    assert_params_and_state_close(ref, ref_opt, got, got_opt, rtol=1e-4, equal_nan=stock)
+    if policy != "off":
+        assert event_tuples(got_opt) == event_tuples(ref_opt)
+        rows = 8 + 8 + 20 if "normuon" in comps else 0
+        assert got_opt.metrics()["resolution/inf_moment"] == 3 * rows
+        assert got_opt.metrics()["resolution/events_update"] == got_opt.metrics()["resolution/events_direction"] == 0
+    if "sf" not in comps and ("normuon" not in comps or policy != "off"):  # the first update: RMS 0.2·lr, not 0
+        for d in first:  # ("off" keeps the stock NorMuon: an overflowed v = +Inf zeroes its row)
+            torch.testing.assert_close(d.square().mean().sqrt(), torch.tensor(0.2 * 0.02), rtol=1e-3, atol=0)

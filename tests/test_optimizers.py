@@ -501,6 +501,43 @@ def test_normuon_is_the_papers_row_normalisation_then_rms_0_2():
                                rtol=1e-6, atol=0)
 
 
+def test_rms_match_never_overflows_for_a_finite_direction():
+    """RMS matching is scale invariant (U = 0.2·sqrt(mn)·Ô/‖Ô‖_F): a finite Ô of entries ~1e30 (squares past
+    fp32's maximum; the fp32 norm used to come out +Inf and the update 0) gives RMS 0.2 and the same U as
+    the same matrix scaled by 1e-30 (squares below fp32's smallest subnormal), and as the float64 formula."""
+    from nonans_optim.functional.normuon import rms_match
+    torch.manual_seed(0)
+    A = torch.randn(2, 5, 7)  # a batch: each matrix matched on its own
+    A[1] *= 1e3
+    big, small = rms_match(A * 1e30), rms_match(A * 1e-30)
+    want = (0.2 * 35 ** 0.5 * A.double() / torch.linalg.matrix_norm(A.double(), keepdim=True)).float()
+    assert torch.isfinite(big).all()
+    torch.testing.assert_close(big.square().mean((-2, -1)).sqrt(), torch.full((2,), 0.2))
+    torch.testing.assert_close(big, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(small, big, rtol=1e-6, atol=0)
+    assert torch.equal(rms_match(torch.zeros(3, 4)), torch.zeros(3, 4))  # zero stays zero
+
+
+def test_normuon_row_whose_moment_overflows_keeps_it_and_divides_by_it():
+    """Without NS5 (``bounded=False``) a finite row of O ~1e20 overflows mean_cols(O²). Under the gate that
+    row keeps its previous v (missing observation), is reported, and Ô divides by the kept v — the +Inf made
+    the row's direction 0 (1/(√Inf + ε)); a row that saw a bad gradient keeps v but is not an overflow. Off
+    the gate ("off"): the stock arithmetic."""
+    from nonans_optim.functional.normuon import normuon
+    O = torch.tensor([[1e20, -2e20, 3e20], [0.1, -0.2, 0.3], [-6.0, 1.0, 2.0]])
+    v = torch.tensor([4.0, 0.01, 2.0])
+    beta2, eps = 0.9, 1e-8
+    U, v_new, over = normuon(O, v, torch.tensor([True, True, False]), beta2=beta2, eps=eps, bounded=False)
+    assert over.tolist() == [True, False, False]
+    want_v = torch.tensor([4.0, 0.9 * 0.01 + 0.1 * (0.14 / 3), 2.0])
+    torch.testing.assert_close(v_new, want_v)
+    O_hat = O.double() / (want_v.double().sqrt()[:, None] + eps)
+    torch.testing.assert_close(U.double(), 0.2 * 3.0 * O_hat / O_hat.norm(), rtol=1e-5, atol=1e-12)
+    assert U[0].abs().min() > 0.1  # the overflowing row carries the direction
+    U_off, v_off, none = normuon(O, v, None, beta2=beta2, eps=eps, bounded=False)  # "off": stock
+    assert none is None and v_off[0] == float("inf") and torch.equal(U_off[0], torch.zeros(3))
+
+
 def test_polyak_multiplier_by_hand():
     """functional.polyak.update_polyak against FusionOpt's rule by hand: L̄, Ḡ are EMAs (β = 0.98) seeded
     with the first value, the multiplier is clamp(L̄/Ḡ, 0.1, 10), a non-finite loss leaves L̄ alone (and is

@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nonans_optim as no
-from optim_infos import (IDS, INFOS, assert_skip_holds_as_the_loop_does, impl_cases, impl_ids, loss_fn, make_batch,
-                         make_model, no_host_sync, state_tensors, train_steps)
+from optim_infos import (IDS, INFOS, assert_params_and_state_close, assert_resolution_matches,
+                         assert_skip_holds_as_the_loop_does, impl_cases, impl_ids, loss_fn, make_batch, make_model,
+                         no_host_sync, state_tensors, train_steps)
 
 BAD = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
@@ -253,6 +254,60 @@ def test_finite_gradients_that_overflow_a_moment_are_contained(info, impl, polic
         assert all_finite(model, opt)
     assert opt.metrics()["resolution/events_moment"] >= 1
     assert opt.metrics()["resolution/inf_moment"] > 0
+
+
+NO_NS5 = [("normuon",), ("mona", "normuon"), ("sf",), ()]
+
+
+def _huge_direction_run(impl, comps, policy, steps=4):
+    """Fusion without NS5 on a bucket of two (4, 6) matrices and a (6, 4) one, every gradient ±2^70 (about
+    1.2e21) with a fixed sign pattern: the momentum is finite (≥ 5.9e19) and every square of it is past fp32's
+    maximum. Weight decay 0, so only the direction moves the parameters."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(4, 6), (4, 6), (6, 4)]]
+    signs = [torch.sign(torch.randn(p.shape)) for p in ps]
+    opt = no.Fusion([{"params": ps, "path": "spectral"}], components=comps, impl=impl, resolution=policy,
+                    lr=0.02, weight_decay=0.0, spike_factor=None)
+    first = None
+    for t in range(steps):
+        before = [p.detach().clone() for p in ps]
+        for p, s in zip(ps, signs):
+            p.grad = 2.0 ** 70 * s
+        opt.step()
+        if t == 0:
+            first = [p.detach() - b for p, b in zip(ps, before)]
+    return ps, signs, opt, first
+
+
+@pytest.mark.parametrize("policy", ["repair", "skip"])
+@pytest.mark.parametrize("comps", NO_NS5, ids=["-".join(c) or "none" for c in NO_NS5])
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "fused"])
+def test_finite_direction_whose_squares_overflow_still_steps(impl, comps, policy):
+    """Without NS5 the direction is the momentum itself, and a finite momentum of ~1e20 has squares past
+    fp32's maximum. ‖Ô‖_F came out +Inf, the RMS-matching factor 0 and the update silently 0; NorMuon's row
+    moment overflowed to +Inf with a finite gradient row, the division used it (1/(√Inf + ε) = 0) and the
+    repair kept the old v without a count. Now the step is the RMS-0.2 direction against the gradient's sign,
+    every state stays finite, each overflowing NorMuon row keeps its moment and counts one Inf at the
+    "moment" stage, and the counts are the loop's in every implementation."""
+    ps, signs, opt, first = _huge_direction_run(impl, comps, policy)
+    for p, s, d in zip(ps, signs, first):
+        assert torch.isfinite(p).all()
+        assert torch.equal(torch.sign(d), -s)  # every entry moved, against the gradient
+        if "sf" not in comps:  # the first step: lr·U, U of RMS 0.2 (uniform: ±0.2 everywhere)
+            torch.testing.assert_close(d, -0.02 * 0.2 * s, rtol=1e-3, atol=0)
+    assert all(torch.isfinite(t).all() for p in ps for t in opt.state[p].values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+    metrics = opt.metrics()
+    rows = 4 + 4 + 6 if "normuon" in comps else 0  # every row of every matrix overflows, every step
+    assert metrics["resolution/inf_moment"] == 4 * rows
+    assert metrics["resolution/events_direction"] == metrics["resolution/events_update"] == 0
+    if "normuon" in comps:
+        assert {e.stage for e in opt.events} == {"moment"}
+        assert all(torch.equal(opt.state[p]["normuon_row_sq"], torch.zeros(p.shape[0])) for p in ps)  # kept
+    if impl != "loop":
+        ref_ps, _, ref_opt, _ = _huge_direction_run("loop", comps, policy)
+        assert_params_and_state_close(ref_ps, ref_opt, ps, opt)
+        assert_resolution_matches(ref_opt, opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
