@@ -143,9 +143,11 @@ def _spectral_rows(gate: bool) -> tuple[Callable, dict, dict]:
     from nonans_optim.kernels import _spectral_post as k
     from nonans_optim.kernels.spectral_step import _BLOCK_C
 
+    slot = (lambda ty: ty) if gate else (lambda ty: "*fp32")  # under "off" the host passes ROW_SQ there
     types = dict(PRE="*i64", POST="*i64", ROW_FIRST="*i64", ROW_OWNER="*i32", NCOLS="*i64", HP="*fp32",
-                 DEC_FLAGS="*i32" if gate else "*fp64", ROW_INV="*fp32", ROW_SQ="*fp32", ROW_SUM="*fp32")
-    return k._rows_kernel, types, dict(NORMUON=True, GATE=gate, G_TY=tl.float32, O_TY=tl.bfloat16,
+                 DEC_FLAGS=slot("*i32"), SEL=slot("*i64"), DENSE=slot("*i64"), ROW_INV="*fp32", ROW_SQ="*fp32",
+                 ROW_SUM="*fp32")
+    return k._rows_kernel, types, dict(NORMUON=True, GATE=gate, WIDE=False, G_TY=tl.float32, O_TY=tl.bfloat16,
                                        ROWS_ALIGNED=True, BLOCK_C=_BLOCK_C)
 
 

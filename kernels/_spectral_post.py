@@ -8,8 +8,8 @@ import triton.language as tl
 
 from ._cast import cast_rtne
 from ._elementwise import kept_finite
-from ._multi import (_DIR_INF, _DIR_NAN, _ROW, _UPDATE_INF, _UPDATE_NAN, _add_count, _block, _column, _finite,
-                     _lerp, _load, _store, _sum_masked)
+from ._multi import (_DIR_INF, _DIR_NAN, _MOMENT_INF, _ROW, _UPDATE_INF, _UPDATE_NAN, _add_count, _block, _column,
+                     _finite, _lerp, _load, _store, _sum_masked)
 
 
 @triton.jit
@@ -31,13 +31,37 @@ def _row_has_bad(g_ptr, C, look, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV, ROW_SQ, ROW_SUM,
-                 NORMUON: tl.constexpr, GATE: tl.constexpr, G_TY: tl.constexpr, O_TY: tl.constexpr,
-                 ROWS_ALIGNED: tl.constexpr, BLOCK_C: tl.constexpr):
+def _row_sq_wide(o_ptr, C, inv, BLOCK_C: tl.constexpr):
+    """Σⱼ (Oᵢⱼ/dᵢ)² of one row in float64, where no square of an fp32 value overflows: the rare path of the
+    row's share of ‖Ô‖_F², run only when the fp32 Σⱼ O² (or its product with 1/dᵢ²) came out non-finite.
+    NS5's output never gets there; a finite O with entries past ~1e19 would otherwise make ‖Ô‖_F = +Inf and
+    the update silently 0 (functional/normuon.py). A non-finite O stays non-finite (the direction count)."""
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    for c0 in range(0, C, BLOCK_C):
+        idx = c0 + tl.arange(0, BLOCK_C)
+        o = tl.load(o_ptr + idx, mask=idx < C, other=0.0).to(tl.float32).to(tl.float64)
+        acc += o * o
+    inv64 = inv.to(tl.float64)
+    return tl.sum(acc, axis=0) * (inv64 * inv64)
+
+
+@triton.jit
+def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, SEL, DENSE, ROW_INV, ROW_SQ, ROW_SUM,
+                 NORMUON: tl.constexpr, GATE: tl.constexpr, WIDE: tl.constexpr, G_TY: tl.constexpr,
+                 O_TY: tl.constexpr, ROWS_ALIGNED: tl.constexpr, BLOCK_C: tl.constexpr):
     """One matrix row of one tensor: Σⱼ O², (GATE) Σⱼ O and, NORMUON, the row moment
     v ← lerp(v, Σⱼ O²/n, 1-β₂) — kept where the row's gradient had a bad entry (read only for a tensor
     that had one) or where the new value is not finite, and not written for a "skip" tensor — and
-    1/dᵢ = 1/(√v + ε) from the gated (not yet finiteness-checked) value, as _compiled_spectral._post."""
+    1/dᵢ = 1/(√v + ε) from the gated value, as _compiled_spectral._post. ROW_SQ receives the row's
+    Σⱼ (O/dᵢ)² (fp32; float64 under WIDE).
+
+    WIDE: O may have squares past fp32's maximum (a direction that is not NS5's output, which is bounded;
+    functional/normuon.py). Then, under GATE, a finite gradient row whose moment overflows keeps v, divides
+    by the kept v (not by +Inf, which zeroes the row) and counts one Inf at the "moment" stage in DENSE (one
+    atomic, only for such a row; SEL/DENSE are read nowhere else), and a row whose fp32 Σⱼ (O/dᵢ)² is not
+    finite is summed again in float64 (:func:`_row_sq_wide`). A constexpr, not a runtime test alone: the
+    rare path's code cost the NS5 variants registers and instructions they run on every row (sm_90, triton
+    3.9: "off" 30 → 44 registers, 584 → 928 SASS), for an event their input cannot produce."""
     r_glob = tl.program_id(0)
     t = tl.load(ROW_OWNER + r_glob)
     r = r_glob - tl.load(ROW_FIRST + t)
@@ -68,13 +92,26 @@ def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV,
         vo = tl.load(v_ptr)
         vn = _lerp(vo, tl.div_rn(row_sq, C.to(tl.float32)), one_m_b2)
         if GATE:
-            vn = tl.where(_row_has_bad(g_ptr, C, (flags & 8) != 0, BLOCK_C), vo, vn)
+            bad = _row_has_bad(g_ptr, C, (flags & 8) != 0, BLOCK_C)
+            if WIDE:  # a finite gradient row that overflows v: a missing observation too, divided by the kept v
+                over = ~bad & ~_finite(vn)
+                bad = bad | over
+                if over:
+                    tl.atomic_add(DENSE + tl.load(SEL + t) * _ROW + _MOMENT_INF, over.to(tl.int64))
+            vn = tl.where(bad, vo, vn)
         inv = tl.div_rn(1.0, tl.sqrt_rn(vn) + eps)
         if GATE:
             vn = tl.where(_finite(vn) & ((flags & 2) == 0), vn, vo)
         tl.store(v_ptr, vn)
     tl.store(ROW_INV + r_glob, inv)
-    tl.store(ROW_SQ + r_glob, row_sq * inv * inv)
+    part = row_sq * inv * inv
+    if WIDE:  # ROW_SQ is float64 here, so that the rare path's sum fits
+        wide = part.to(tl.float64)
+        if ~_finite(part):
+            wide = _row_sq_wide(o_ptr, C, inv, BLOCK_C)
+        tl.store(ROW_SQ + r_glob, wide)
+    else:
+        tl.store(ROW_SQ + r_glob, part)
     if GATE:
         tl.store(ROW_SUM + r_glob, tl.sum(sm, axis=0))
 
@@ -82,7 +119,7 @@ def _rows_kernel(PRE, POST, ROW_FIRST, ROW_OWNER, NCOLS, HP, DEC_FLAGS, ROW_INV,
 @triton.jit
 def _scale_kernel(ROW_FIRST, TARGET, ROW_INV, ROW_SQ, ROW_SUM, SEL, DENSE, FACTOR, GATE: tl.constexpr,
                   RBLOCK: tl.constexpr):
-    """Per tensor: ‖Ô‖_F (Ô = O/d) from its rows' partials in row order, the RMS-matching factor
+    """Per tensor: ‖Ô‖_F (Ô = O/d) from its rows' partials in row order (float64), the RMS-matching factor
     0.2·√(mn)/‖Ô‖_F (0 for a zero direction), and under GATE the direction count: ΣU = Σᵢ (factor/dᵢ)·ΣⱼOᵢⱼ
     is finite iff every entry of U is (RMS 0.2 cannot overflow)."""
     t = tl.program_id(0)

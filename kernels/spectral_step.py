@@ -391,14 +391,16 @@ def spectral_write_(pre: PreResult) -> None:
 
 
 def spectral_post_(pre: PreResult, outs, params, grads, zs, gamma, hp, *, buckets, shapes, normuon: bool,
-                   sf: bool, decay: bool, warmup: bool = False) -> None:
+                   sf: bool, decay: bool, warmup: bool = False, bounded: bool = True) -> None:
     """The direction side: from each bucket's NS5 output in ``outs`` ((B, m, n), the parameters' layout),
     NorMuon (the row moments given to :func:`spectral_prepare_`, updated in place) or RMS matching, the
     (schedule-free) update of ``params`` (and ``zs``) with the update guard, and the direction and update
     counts (kernels in :mod:`._spectral_post`). ``hp`` = [1-β₂ᴺ, εᴺ, λ, c, β(1-c)-1] (fp32,
     on the device), ``gamma`` the 0-d fp32 step size there. ``warmup``: compile the three kernels for
     these arguments without running them (``outs`` may then be ``pre.inputs``: same dtype and shapes), so
-    that a compile error surfaces before :func:`spectral_write_` has written anything."""
+    that a compile error surfaces before :func:`spectral_write_` has written anything. ``bounded``: ``outs``
+    are NS5's output (every group these kernels take today), whose squares cannot overflow fp32; False
+    compiles in the row kernel's overflow handling (``_rows_kernel``'s WIDE) for a direction that may."""
     def launch(kernel, grid, *args, **constexprs):
         if warmup:
             kernel.warmup(*args, grid=grid, **constexprs)
@@ -419,14 +421,15 @@ def spectral_post_(pre: PreResult, outs, params, grads, zs, gamma, hp, *, bucket
     gate = pre.res is not None
     o_ty = tl_dtype(outs[0].dtype)
     row_inv = torch.empty(total_rows, dtype=torch.float32, device=device)
-    row_sq = torch.empty(total_rows, dtype=torch.float32, device=device)
+    row_sq = torch.empty(total_rows, dtype=torch.float32 if bounded else torch.float64, device=device)
     row_sum = torch.empty(total_rows, dtype=torch.float32, device=device) if gate else row_sq
     factor = torch.empty(len(params), dtype=torch.float32, device=device)
     dummy = row_sq  # never dereferenced without GATE
     scale, dense = (pre.res[0], pre.res[3]) if gate else (None, None)
     with on_device(params[0]):
         launch(_rows_kernel, (total_rows,), pre.addr, post, row_first, row_owner, ncols, hp,
-               pre.dec_flags if gate else dummy, row_inv, row_sq, row_sum, NORMUON=normuon, GATE=gate,
+               *(x if gate else dummy for x in (pre.dec_flags, pre.sel, dense)), row_inv, row_sq, row_sum,
+               NORMUON=normuon, GATE=gate, WIDE=not bounded,
                G_TY=tl_dtype(grads[0].dtype), O_TY=o_ty, ROWS_ALIGNED=aligned and all(n % 8 == 0 for _, n in shapes),
                BLOCK_C=_BLOCK_C, num_warps=4, enable_fp_fusion=False)
         launch(_scale_kernel, (len(params),), row_first, target, row_inv, row_sq, row_sum,

@@ -282,17 +282,22 @@ def test_spectral_step_kernels(policy, buf, hot):
             assert "fma.rn.f32" not in write.asm["ptx"] + msq.asm["ptx"]
     _binary_ok(compile_for_hopper(k._norm_kernel, dict(MSQ="*fp64", FIRST="*i64", INV="*fp64"),
                                   dict(RBLOCK=1024), num_warps=1, enable_fp_fusion=False))
-    for normuon in (False, True):
+    # WIDE (a direction that is not NS5's output): ROW_SQ float64, the moment-overflow count an atomic
+    for normuon, wide in ((False, False), (True, False), (False, True), (True, True)):
+        sq = "*fp64" if wide else "*fp32"
+        row_slot = slot if gate else (lambda ty: sq)  # under "off" the host passes ROW_SQ in the unused slots
         for aligned in (False, True):
             rows = compile_for_hopper(k._rows_kernel, dict(PRE="*i64", POST="*i64", ROW_FIRST="*i64",
                                                            ROW_OWNER="*i32", NCOLS="*i64", HP="*fp32",
-                                                           DEC_FLAGS=slot("*i32"), ROW_INV="*fp32",
-                                                           ROW_SQ="*fp32", ROW_SUM="*fp32"),
-                                      dict(NORMUON=normuon, GATE=gate, G_TY=tl.float32, O_TY=tys[hot],
+                                                           DEC_FLAGS=row_slot("*i32"), SEL=row_slot("*i64"),
+                                                           DENSE=row_slot("*i64"), ROW_INV="*fp32",
+                                                           ROW_SQ=sq, ROW_SUM=row_slot("*fp32")),
+                                      dict(NORMUON=normuon, GATE=gate, WIDE=wide, G_TY=tl.float32, O_TY=tys[hot],
                                            ROWS_ALIGNED=aligned, BLOCK_C=1024), num_warps=4,
                                       enable_fp_fusion=False)
             _binary_ok(rows)
             assert "fma.rn.f32" not in rows.asm["ptx"]
+            assert ("atom" in rows.asm["ptx"]) == (gate and normuon and wide)
             if aligned:
                 assert re.search(r"ld\.global(\.\w+)*\.v[24]", rows.asm["ptx"]), "aligned rows: vector loads"
     scale = compile_for_hopper(k._scale_kernel, dict(ROW_FIRST="*i64", TARGET="*fp32", ROW_INV="*fp32",
