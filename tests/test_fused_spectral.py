@@ -209,49 +209,48 @@ def test_bf16_buffer_entry_that_rounds_to_inf_is_kept(impl):
     assert opt.metrics()["resolution/inf_moment"] == 1
 
 
-def _unbounded_ns5(monkeypatch, big: float):
-    """NS5's output scaled by ``big`` in both the native path (its iterate) and the loop (its ns5), and the
-    loop's NorMuon / RMS matching told that the direction is unbounded (which only a composition without NS5
-    is, and which the fused paths do not cover): the same direction reaches both, with squares past fp32's
-    maximum."""
+
+def unbounded_loop(monkeypatch, big: float):
+    """The loop's NS5 output scaled by ``big``, and its NorMuon / RMS matching told that the direction is
+    unbounded (which only a composition without NS5 is, and which the fused paths do not cover): with the
+    fused path's iterate scaled alike, the same direction reaches both, with squares past fp32's maximum."""
     from nonans_optim.functional import normuon as nm
-    real_iterate, real_ns5 = _fused_spectral.iterate, _spectral.ns5
-    monkeypatch.setattr(_fused_spectral, "iterate", lambda *a, **k: real_iterate(*a, **k) * big)
+    real_ns5 = _spectral.ns5
     monkeypatch.setattr(_spectral, "ns5", lambda *a, **k: real_ns5(*a, **k) * big)
     monkeypatch.setattr(_spectral, "normuon", lambda *a, bounded, **k: nm.normuon(*a, bounded=False, **k))
     monkeypatch.setattr(_spectral, "rms_match", lambda O, bounded: nm.rms_match(O, bounded=False))
 
 
-@pytest.mark.parametrize("policy", ["off", "repair", "skip"])
-@pytest.mark.parametrize("comps", [("ns5",), ("ns5", "normuon"), ("ns5", "normuon", "sf")],
-                         ids=["ns5", "ns5-normuon", "ns5-normuon-sf"])
-def test_direction_whose_squares_overflow_matches_loop(monkeypatch, comps, policy):
-    """The post loop's overflow handling, reached by scaling NS5's output by 2^70 (entries ~1e20: every row's
-    fp32 Σ O² overflows). ‖Ô‖_F is rescanned in double (it was +Inf: a zero update), and under the gate a
-    NorMuon row whose moment overflowed keeps v, divides by it and counts one Inf at the "moment" stage —
-    parameters, state and counts as the loop computes them, and the native loops really ran."""
-    ran = []
-    real = _fused_spectral.fused_spectral_update
-    monkeypatch.setattr(_spectral, "fused_spectral_update", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
-    _unbounded_ns5(monkeypatch, 2.0 ** 70)
+OVERFLOW_DIRECTIONS = [(("ns5",), "off"), (("ns5",), "repair"), (("ns5", "normuon"), "off"),
+                       (("ns5", "normuon"), "repair"), (("ns5", "normuon"), "skip"),
+                       (("ns5", "normuon", "sf"), "repair")]
+OVERFLOW_IDS = ["-".join(c) + "-" + p for c, p in OVERFLOW_DIRECTIONS]
+
+
+def check_direction_whose_squares_overflow(device, comps, policy):
+    """The direction side's overflow handling, reached by scaling NS5's output by 2^70 (entries ~1e20: every
+    row's fp32 Σ O² overflows; the caller patches the loop with :func:`unbounded_loop` and the fused path's
+    iterate alike). ‖Ô‖_F comes from a wider sum (it was +Inf: a zero update), and under the gate a NorMuon
+    row whose moment overflowed keeps v, divides by it and counts one Inf at the "moment" stage —
+    parameters, state and counts as the loop computes them. "off" keeps the stock NorMuon (an overflowed v
+    is +Inf, then lerp(Inf, x) = NaN)."""
     runs = []
     for impl in ("loop", "fused"):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s)) for s in [(8, 24), (8, 24), (20, 12)]]
+        ps = [torch.nn.Parameter(torch.randn(s).to(device)) for s in [(8, 24), (8, 24), (20, 12)]]
         opt = no.Fusion([{"params": ps, "path": "spectral"}], components=comps, impl=impl, lr=0.02,
-                        weight_decay=0.0, resolution=policy, spike_factor=None)
+                        weight_decay=0.0, resolution=policy, spike_factor=None, ns5_dtype="fp32")
         gen = torch.Generator().manual_seed(1)
         for t in range(3):
             before = [p.detach().clone() for p in ps]
             for p in ps:
-                p.grad = torch.randn(p.shape, generator=gen)
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
             opt.step()
             if t == 0:
                 first = [p.detach() - b for p, b in zip(ps, before)]
         runs.append((ps, opt))
     (ref, ref_opt), (got, got_opt) = runs
-    assert len(ran) == 3 and all(ran)
-    stock = policy == "off" and "normuon" in comps  # v = +Inf, then lerp(Inf, x) = NaN: no resolution asked
+    stock = policy == "off" and "normuon" in comps
     assert stock or all(torch.isfinite(p).all() for p in got)
     assert_params_and_state_close(ref, ref_opt, got, got_opt, rtol=1e-4, equal_nan=stock)
     if policy != "off":
@@ -259,6 +258,20 @@ def test_direction_whose_squares_overflow_matches_loop(monkeypatch, comps, polic
         rows = 8 + 8 + 20 if "normuon" in comps else 0
         assert got_opt.metrics()["resolution/inf_moment"] == 3 * rows
         assert got_opt.metrics()["resolution/events_update"] == got_opt.metrics()["resolution/events_direction"] == 0
-    if "sf" not in comps and ("normuon" not in comps or policy != "off"):  # the first update: RMS 0.2·lr, not 0
-        for d in first:  # ("off" keeps the stock NorMuon: an overflowed v = +Inf zeroes its row)
-            torch.testing.assert_close(d.square().mean().sqrt(), torch.tensor(0.2 * 0.02), rtol=1e-3, atol=0)
+    if "sf" not in comps and not stock:  # the first update: RMS 0.2·lr, not 0
+        for d in first:
+            torch.testing.assert_close(d.square().mean().sqrt().cpu(), torch.tensor(0.2 * 0.02), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("comps, policy", OVERFLOW_DIRECTIONS, ids=OVERFLOW_IDS)
+def test_direction_whose_squares_overflow_matches_loop(monkeypatch, comps, policy):
+    """:func:`check_direction_whose_squares_overflow` on the native post loop (‖Ô‖_F rescanned in double when
+    the fp32 sums overflow), which really ran."""
+    ran = []
+    real = _fused_spectral.fused_spectral_update
+    monkeypatch.setattr(_spectral, "fused_spectral_update", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    real_iterate = _fused_spectral.iterate
+    monkeypatch.setattr(_fused_spectral, "iterate", lambda *a, **k: real_iterate(*a, **k) * 2.0 ** 70)
+    unbounded_loop(monkeypatch, 2.0 ** 70)
+    check_direction_whose_squares_overflow("cpu", comps, policy)
+    assert len(ran) == 3 and all(ran)

@@ -36,6 +36,7 @@ pytest.importorskip("triton")
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches, event_tuples  # noqa: E402
 from test_compiled_spectral import _run  # noqa: E402  (its model and fault sequence)
+from test_fused_spectral import OVERFLOW_DIRECTIONS, OVERFLOW_IDS  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -223,6 +224,23 @@ def case_skip_keeps_kl_damping(device, monkeypatch):
     check_skip_keeps_kl_damping(device, shapes=[(16, 24), (16, 24), (30, 8)])  # small: the interpreter is slow
 
 
+def case_direction_whose_squares_overflow(device, comps, policy, monkeypatch):
+    """test_fused_spectral.check_direction_whose_squares_overflow on these kernels: NS5's output scaled by
+    2^70 here and in the loop, and the direction side launched with ``bounded=False`` (the row kernel's WIDE:
+    its float64 rare path for ‖Ô‖_F and the NorMuon moment-overflow gate, which only a direction that is not
+    NS5's output needs) — parameters, state and counts those of the loop."""
+    from nonans_optim.kernels import spectral_step as k
+    from nonans_optim.optimizers import _fused_triton
+    from test_fused_spectral import check_direction_whose_squares_overflow, unbounded_loop
+
+    _force_triton(monkeypatch)
+    real_iterate, real_post = _fused_triton.iterate, k.spectral_post_
+    monkeypatch.setattr(_fused_triton, "iterate", lambda *a, **kw: real_iterate(*a, **kw) * 2.0 ** 70)
+    monkeypatch.setattr(k, "spectral_post_", lambda *a, **kw: real_post(*a, **dict(kw, bounded=False)))
+    unbounded_loop(monkeypatch, 2.0 ** 70)
+    check_direction_whose_squares_overflow(device, comps, policy)
+
+
 def case_tensors_on_different_first_steps(device, monkeypatch):
     """MONA's "first step" is a per-tensor flag the host copies with the hyperparameters."""
     from test_fused_spectral import check_tensors_on_different_first_steps
@@ -359,6 +377,11 @@ def _define(device, marks=()):
         case_tensors_on_different_first_steps(device, monkeypatch)
 
     @mark
+    @pytest.mark.parametrize("comps, policy", OVERFLOW_DIRECTIONS, ids=OVERFLOW_IDS)
+    def test_direction_whose_squares_overflow(comps, policy, monkeypatch):
+        case_direction_whose_squares_overflow(device, comps, policy, monkeypatch)
+
+    @mark
     def test_clean_repair_is_off(monkeypatch):
         case_clean_repair_is_off(device, monkeypatch)
 
@@ -376,11 +399,12 @@ def _define(device, marks=()):
     return (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
             test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop,
-            test_update_overflow_counts, test_bf16_buffer_overflow_as_stored)
+            test_update_overflow_counts, test_bf16_buffer_overflow_as_stored, test_direction_whose_squares_overflow)
 
 
 if INTERPRETED:
-    pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+    pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+                  pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 
     def test_repair_adds_only_the_decision_launches(monkeypatch):
         case_repair_adds_only_the_decision_launches(monkeypatch)
@@ -414,7 +438,8 @@ if INTERPRETED:
     (test_optimizer_matches_loop, test_wide_matrices_match_loop, test_bf16_buffer_and_ns5_input,
      test_skip_keeps_kl_damping, test_tensors_on_different_first_steps, test_clean_repair_is_off,
      test_launch_failure_falls_back, test_auto_runs_the_triton_kernels, test_kl_batched_matches_loop,
-     test_update_overflow_counts, test_bf16_buffer_overflow_as_stored) = _define("cpu")
+     test_update_overflow_counts, test_bf16_buffer_overflow_as_stored, test_direction_whose_squares_overflow) = \
+        _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -425,7 +450,7 @@ else:
      test_gpu_skip_keeps_kl_damping, test_gpu_tensors_on_different_first_steps, test_gpu_clean_repair_is_off,
      test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels,
      test_gpu_kl_batched_matches_loop, test_gpu_update_overflow_counts,
-     test_gpu_bf16_buffer_overflow_as_stored) = _define("cuda", marks=gpu)
+     test_gpu_bf16_buffer_overflow_as_stored, test_gpu_direction_whose_squares_overflow) = _define("cuda", marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
