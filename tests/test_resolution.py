@@ -310,6 +310,31 @@ def test_finite_direction_whose_squares_overflow_still_steps(impl, comps, policy
         assert_resolution_matches(ref_opt, opt)
 
 
+@pytest.mark.parametrize("comps", NO_NS5, ids=["-".join(c) or "none" for c in NO_NS5])
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled"])
+def test_clean_steps_without_ns5_identical_to_off(impl, comps):
+    """The overflow handling of a direction without NS5 (the scaled norm, the row moment's gate) is
+    arithmetic under every policy and a gate that selects nothing on a clean step: "repair" is "off" bit for
+    bit there, as for the NS5 compositions (test_clean_steps_identical_to_off)."""
+    runs = []
+    for policy in ("repair", "off"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in [(4, 6), (4, 6), (6, 4)]]
+        opt = no.Fusion([{"params": ps, "path": "spectral"}], components=comps, impl=impl, resolution=policy)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append((ps, opt))
+    (a, oa), (b, ob) = runs
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert all(torch.equal(oa.state[p][k], ob.state[q][k]) for k in ob.state[q]
+                   if isinstance(ob.state[q][k], torch.Tensor))
+    assert oa.metrics()["resolution/events_total"] == 0.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("info, impl", OVERFLOW_CASES, ids=impl_ids(OVERFLOW_CASES))
 def test_sixteen_bit_state_overflowing_as_stored_is_contained(info, impl, dtype):
