@@ -87,7 +87,10 @@ def _directions(Ms: list[torch.Tensor], vs: list[torch.Tensor | None], row_oks: 
     r = torch.stack(row_oks) if row_oks[0] is not None else None
     U, v_new, counts, over = one(M, v, r)
     n = len(Ms)
-    unbound = lambda x: list(x.unbind(0)) if x is not None else [None] * n  # noqa: E731
+
+    def unbound(x):
+        return list(x.unbind(0)) if x is not None else [None] * n
+
     return unbound(U), unbound(v_new), unbound(counts), unbound(over)
 
 
