@@ -28,7 +28,10 @@ def test_bad_hyperparameters_raise_naming_the_argument(info, bad):
 
 
 @pytest.mark.parametrize("bad", [dict(ns_steps=0), dict(ns_steps=1.5), dict(shampoo_refresh_every=0),
-                                 dict(ns5_dtype="int8"), dict(ns5_dtype=torch.int32)])
+                                 dict(ns5_dtype="int8"), dict(ns5_dtype=torch.int32),
+                                 # ±Inf passed and overflowed the MONA buffers at every step; "no" is truthy
+                                 dict(mona_alpha=float("inf")), dict(mona_alpha="0.1"), dict(polyak="no"),
+                                 dict(polyak=None)])
 def test_bad_spectral_hyperparameters_raise_at_construction(bad):
     """Caught where the typo is made, not at the first step()."""
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -38,6 +41,21 @@ def test_bad_spectral_hyperparameters_raise_at_construction(bad):
 def test_unknown_component_is_named():
     with pytest.raises(ValueError, match="adam"):
         no.Fusion(make_model().parameters(), components=("ns5", "adam"))
+
+
+def test_components_given_as_one_string_says_so():
+    """A string is a collection of characters: components="ns5" was refused as unknown ['5', 'n', 's']."""
+    with pytest.raises(ValueError, match=r"collection of names, e.g. \('ns5',\)"):
+        no.Fusion(make_model().parameters(), components="ns5")
+
+
+def test_mona_alpha_takes_any_finite_number_or_a_cpu_tensor_like_every_hyperparameter():
+    """A one-element CPU tensor is accepted for every hyperparameter (README); mona_alpha refused it, while
+    it let ±Inf through. It may be negative (a mixing weight); it is stored as a float."""
+    for alpha in (torch.tensor(0.3), -0.5, 2):
+        opt = no.FullFusion(make_model().parameters(), mona_alpha=alpha)
+        assert type(opt.param_groups[0]["mona_alpha"]) is float
+        assert opt.param_groups[0]["mona_alpha"] == float(alpha)
 
 
 @pytest.mark.parametrize("info", INFOS, ids=IDS)

@@ -11,6 +11,7 @@ multiplier is 1.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -82,11 +83,15 @@ class Fusion(NonansOptimizer):
                  ns5_dtype: str = "auto", warmup_steps: int = 0, polyak: bool = True,
                  resolution: str = "repair", impl: str = "auto", spike_factor: float | None = 10.0,
                  momentum_dtype: str = "auto"):
+        if isinstance(components, str):  # before frozenset(): "ns5" would read as {'n', 's', '5'}
+            raise ValueError(f"components must be a collection of names, e.g. ({components!r},), not the string "
+                             f"{components!r}; choose from {sorted(COMPONENTS)}")
         comps = frozenset(components)
         unknown = sorted(comps - COMPONENTS)
-        if unknown or isinstance(components, str):
-            bad = unknown if unknown else [components]
-            raise ValueError(f"unknown components {bad}; choose from {sorted(COMPONENTS)}")
+        if unknown:
+            raise ValueError(f"unknown components {unknown}; choose from {sorted(COMPONENTS)}")
+        if not isinstance(polyak, bool):
+            raise ValueError(f"Invalid polyak: {polyak!r} (must be True or False)")
         check_betas("betas", betas)  # before tuple(): a scalar must get this message, not a TypeError
         self.components = comps
         self._schedule_free = "sf" in comps
@@ -109,10 +114,10 @@ class Fusion(NonansOptimizer):
         for name in ("momentum", "sf_beta", "normuon_beta2", "mona_beta", "shampoo_beta"):
             _check_float(name, group[name], high=1.0, high_open=True)
         _check_float("normuon_eps", group["normuon_eps"])
-        alpha = group["mona_alpha"]
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha != alpha:
-            raise ValueError(f"Invalid mona_alpha: {alpha!r}")
-        group["mona_alpha"] = float(alpha)
+        # any finite real (MONA's mixing weight may be negative), a CPU tensor as any hyperparameter; stored
+        # as a float. ±Inf used to pass and overflowed the MONA buffers at every step.
+        _check_float("mona_alpha", group["mona_alpha"], low=-math.inf)
+        group["mona_alpha"] = float(group["mona_alpha"])
         if not isinstance(group["nesterov"], bool):
             raise ValueError(f"Invalid nesterov: {group['nesterov']!r} (must be True or False)")
         if "sf" in self.components and (group["sf_beta"] <= 0 or group["betas"][0] <= 0):
