@@ -121,12 +121,16 @@ def normalise(G: torch.Tensor) -> torch.Tensor:
 
     Step 1 divides by 2**e with max|G| = f·2**e, f ∈ [0.5, 1) — exact in binary floating point, so a
     1e30-scaled input and a 1e-30-scaled input land on the same bits. Step 2 divides by the norm, which is
-    now ≥ 0.5 for any non-zero matrix and cannot overflow (≤ sqrt(numel))."""
-    G32 = G.float()
+    now ≥ 0.5 for any non-zero matrix and cannot overflow (≤ sqrt(numel)).
+
+    An fp64 G is scaled in fp64 first and cast after: its entries may lie outside fp32's range (an fp64 G
+    of 1e300 became Inf, then NaN; one of 1e-300 became 0), and for one inside it the result is the same
+    (a power-of-two scaling commutes with the rounding to fp32, subnormals aside)."""
+    Gw = G if G.dtype == torch.float64 else G.float()
     # max|G| from two read-only reductions (abs().amax() would first write |G| out in full; vector_norm
     # with ord=inf over two dims ran 14x slower on CPU); NaN propagates through amax, amin and maximum
     dims = (-2, -1)
-    amax = torch.maximum(G32.amax(dim=dims, keepdim=True), G32.amin(dim=dims, keepdim=True).neg())
+    amax = torch.maximum(Gw.amax(dim=dims, keepdim=True), Gw.amin(dim=dims, keepdim=True).neg())
     _, exponent = torch.frexp(amax)
     # Multiply by 2**-e as two exact power-of-two factors built on the small (..., 1, 1) tensor: a single
     # factor overflows fp32 for e < -127, and torch.ldexp on the full matrix cost 7x more on CPU. After the
@@ -134,8 +138,9 @@ def normalise(G: torch.Tensor) -> torch.Tensor:
     # allocations: on CPU each fresh one is page-faulted in again).
     half = torch.div(exponent, 2, rounding_mode="floor")
     one = torch.ones_like(amax)
-    X = G32 * torch.ldexp(one, -half)
+    X = Gw * torch.ldexp(one, -half)
     X.mul_(torch.ldexp(one, half - exponent))
+    X = X.float()  # (a no-op for every dtype but fp64)
     norm = torch.linalg.matrix_norm(X, keepdim=True)
     return X.div_(norm + _EPS)
 

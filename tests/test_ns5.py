@@ -170,6 +170,15 @@ def test_any_scale_from_1e_minus30_to_1e30_is_allclose(method, shape, seed, e, h
                                atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k", [-1000, -200, 200, 1000])
+def test_fp64_input_outside_fp32s_range_is_scaled_before_the_cast(method, k):
+    """An fp64 matrix of 2^1000 (or 2^-1000) entries was cast to fp32 before its power-of-two scaling:
+    Inf, then a NaN output (or 0, then a zero update). Scaled first, it gives the unit-scale result."""
+    G = moderate_fp32((6, 10), 7).double()
+    assert torch.equal(ns5(G * 2.0**k, dtype="fp32", method=method), ns5(G, dtype="fp32", method=method))
+
+
 # --------------------------------------------------------------------------- spectrum and direction
 def conditioned(m: int, n: int, kappa: float, seed: int) -> tuple[torch.Tensor, np.ndarray]:
     """G = U diag(s) Vᵀ with s log-spread over [1, κ] (both ends included), float64."""
