@@ -16,7 +16,8 @@ __all__ = ["STAGES", "STAGE_INDEX", "PARAM_STAGES", "ACTIONS", "HELD", "Singular
 # Where a non-finite value can be met. "grad": the incoming gradient. "moment": a moment update that
 # overflowed with a finite gradient (g² > fp32 max in exp_avg_sq; g - m inside the lerp of exp_avg, the
 # momentum buffer or MONA's average, when both are huge and of opposite signs): that entry keeps its value.
-# "direction": NS5 / KL-Shampoo / NorMuon output. "update": the new parameter or schedule-free z. "loss":
+# "direction": NS5 / KL-Shampoo / NorMuon output. "update": the new parameter and schedule-free z (an entry
+# of each counted: up to 2·numel per schedule-free parameter). "loss":
 # the value given to set_loss(). "spike": a finite gradient whose norm jumped above spike_factor × its
 # running mean and was rescaled (counts: [0, 1]).
 STAGES = ("grad", "moment", "direction", "update", "loss", "spike")
@@ -41,7 +42,9 @@ class SingularityEvent:
     """One resolved singularity: at optimizer ``step``, on parameter ``param`` (its name when the
     optimizer was given named parameters, else its index in ``state_dict()`` order), in ``stage``.
 
-    ``nan_count``/``inf_count``: entries found NaN / ±Inf — except in the "spike" stage, where
+    ``nan_count``/``inf_count``: entries found NaN / ±Inf — of each tensor the stage writes: in the
+    "update" stage of a schedule-free parameter those are y (the parameter) and z, each counted, so the two
+    may add up to 2·``numel`` there (every other stage: at most ``numel``) — except in the "spike" stage, where
     ``inf_count`` is 1 for a gradient the spike guard capped (finite, counted in that column so the two
     still add up to the stage's count; repeated spikes escalate like any event). A "loss" event (a
     non-finite ``set_loss()`` value) belongs to no parameter: ``param`` is None and ``numel`` 1, and it

@@ -212,3 +212,17 @@ def test_a_bad_loss_is_counted_in_its_own_column(impl):
     assert (m["resolution/nan_loss"], m["resolution/inf_loss"]) == (2.0, 1.0)
     assert [(e.step, e.stage, e.nan_count, e.inf_count) for e in opt.events] == [
         (1, "loss", 1, 0), (2, "loss", 0, 1), (3, "loss", 1, 0)]
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused"])
+def test_a_schedule_free_update_counts_y_and_z_each(impl):
+    """The "update" stage counts the entries of each tensor it writes: y and z for a schedule-free parameter
+    (SingularityEvent's docs), so an overflow of both on every entry reads 2·numel — the same in every
+    implementation, and both kept finite."""
+    p = nn.Parameter(torch.full((4,), 3.0e38))
+    opt = no.SFAdamW([p], lr=1e38, impl=impl)
+    p.grad = torch.full((4,), -1.0)
+    opt.step()
+    (ev,) = [e for e in opt.events if e.stage == "update"]
+    assert (ev.nan_count, ev.inf_count, ev.numel) == (0, 8, 4)
+    assert torch.isfinite(p).all() and torch.isfinite(opt.state[p]["z"]).all()
