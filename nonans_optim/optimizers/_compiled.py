@@ -109,6 +109,12 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
     and update (empty under "off", where nothing is detected). ``spike``: the guard's 0-d scale or None.
 
     hp = [1-β₁, β₂, 1-β₂, ε, λ, c, β(1-c)-1] (the last two only matter for schedule-free)."""
+    if p.dim() == 0:  # decided when the graph is traced: no cost at run time
+        # A 0-d tensor as a 1-entry view of the same storage: inductor (torch 2.13, CPU) lost the in-place
+        # writes to 0-d fp64 tensors — a 0-d parameter's moments never moved and its step went 1e-2 off
+        # torch's AdamW in five steps — and writes 1-entry ones, which reach the parameter and its state.
+        p, g_raw, v = p.view(1), g_raw.view(1), v.view(1)
+        m, z = (None if t is None else t.view(1) for t in (m, z))
     one_m_b1, b2, one_m_b2, eps, wd = hp[0], hp[1], hp[2], hp[3], hp[4]
     gate = policy != "off"
     zero = torch.zeros((), dtype=torch.int64, device=p.device)
@@ -309,16 +315,7 @@ def group_kernel_args(params: list[torch.Tensor], grads: list[torch.Tensor], sta
     zs = [st["z"] if sf else None for st in states]
     vs = [st["exp_avg_sq"] for st in states]
     sel, res, _ = resolution_args(ctx, indices, device, recent_rule=recent_rule)
-    return ([_one_d(p) for p in params], [_one_d(g) for g in grads], [_one_d(m) for m in ms],
-            [_one_d(v) for v in vs], [_one_d(z) for z in zs], gamma, res, sel, bcs, hp)
-
-
-def _one_d(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A 0-d tensor as a 1-entry view of the same storage (None and every other tensor as they are). The
-    compiled group kernel (torch 2.13, CPU inductor) lost its in-place writes to 0-d fp64 tensors — a
-    0-d parameter's moments were never updated and its step went wrong by 1e-2 against torch's AdamW —
-    while 1-entry tensors are written; the view writes through to the parameter and its state."""
-    return t.view(1) if t is not None and t.dim() == 0 else t
+    return params, grads, ms, vs, zs, gamma, res, sel, bcs, hp
 
 
 def compiled_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
