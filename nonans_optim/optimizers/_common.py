@@ -142,7 +142,8 @@ def _guarded_write(dst: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | No
     (an fp32 result near fp32's maximum is Inf in bf16), and a 0-d bf16/fp16 parameter's update arrives in
     fp32 — a 0-d tensor times the 0-d fp32 step size promotes, where a parameter with dimensions would not
     — which ``where(out=dst)`` refused, so such a parameter (a CLIP-style ``logit_scale``) crashed "repair"."""
-    new = new.to(dst.dtype)
+    if new.dtype is not dst.dtype:  # (a dtype compare, not a .to() call per tensor on the host-bound paths)
+        new = new.to(dst.dtype)
     ok, t = tally(new)
     if keep is not None:  # a 0-d flag folded into the bool mask, not a second full-size select
         ok &= keep
