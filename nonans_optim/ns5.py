@@ -239,7 +239,7 @@ def _triton_ns5():
 
 def ns5(
     G: torch.Tensor,
-    steps: int = 5,
+    steps: int | None = None,
     *,
     dtype: str | torch.dtype | None = None,
     coefficients: Sequence[tuple[float, float, float]] | None = None,
@@ -250,7 +250,8 @@ def ns5(
 
     Args:
         G: one matrix or a batch of same-shape matrices; any floating dtype; tall or wide.
-        steps: number of iterations (ignored when ``coefficients`` is given).
+        steps: number of iterations (default 5, or ``len(coefficients)``; a ``steps`` that disagrees with
+            the ``coefficients`` given is refused rather than ignored).
         dtype: hot dtype of the iteration: ``None``/``"auto"`` (see :func:`hot_dtype`), ``"bf16"``,
             ``"fp32"``, ``"fp16"`` or ``"fp16_safe"`` (fp16 with a power-of-two rescale that keeps entries
             away from the subnormal floor), or a ``torch.dtype``.
@@ -271,10 +272,13 @@ def ns5(
     if G.requires_grad and torch.is_grad_enabled():
         raise ValueError("ns5 is not differentiable: G requires grad; pass G.detach() (or call it under "
                          "torch.no_grad())")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0):
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
     if coefficients is None:
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-            raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
-        coefficients = [KELLER_COEFFICIENTS] * steps
+        coefficients = [KELLER_COEFFICIENTS] * (5 if steps is None else steps)
+    elif steps is not None and steps != len(coefficients):
+        raise ValueError(f"steps={steps} but {len(coefficients)} coefficient triples were given: one (a, b, c) "
+                         "per step; leave steps out to run them all")
     requested = "auto" if dtype is None else dtype
     hot = hot_dtype(G.device, requested)
     if not hot.is_floating_point:  # an integer hot dtype would round the normalised G to zeros

@@ -441,6 +441,16 @@ def test_float64_hot_dtype_reproduces_the_exact_iteration(method, shape):
     custom = [(2.0, -1.5, 0.5), (3.0, -3.2, 1.2), (1.875, -1.25, 0.375)]  # per-step, not Keller's
     O = ns5(G, dtype=torch.float64, method=method, coefficients=custom).numpy()
     np.testing.assert_allclose(O, ns_oracle(G.numpy(), custom), atol=2e-5, rtol=0)
+    assert torch.equal(ns5(G, 3, dtype=torch.float64, method=method, coefficients=custom), torch.from_numpy(O))
+
+
+def test_steps_that_disagree_with_the_coefficients_are_refused():
+    """``steps`` was silently ignored beside ``coefficients``: ns5(G, 2, coefficients=five) ran five."""
+    G = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="steps=2 but 3 coefficient triples"):
+        ns5(G, 2, coefficients=[(3.4445, -4.7750, 2.0315)] * 3)
+    with pytest.raises(ValueError, match="steps must be an integer"):
+        ns5(G, -1)
 
 
 @pytest.mark.parametrize("method", METHODS)
