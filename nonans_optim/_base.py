@@ -266,16 +266,16 @@ class NonansOptimizer(Checkpointed, Optimizer):
         bookkeeping guarded on values that change every step (the schedule-free weight sum, the step
         count), so dynamo recompiled at every step until its limit and then fell back anyway, and it
         dropped the step's writes to the optimizer's attributes (an audit, 2026-11-25)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._training and self._schedule_free:
+        if not self._training and self._schedule_free:  # before the closure: its forward would see x
             raise RuntimeError(
                 f"{type(self).__name__}.step() called in eval mode: the parameters hold the schedule-free "
                 "average x, not y. Call optimizer.train() before training steps (and optimizer.eval() "
                 "before evaluation or checkpointing).")
-        for group in self.param_groups:  # validate before any state changes
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # validate before any state changes (the closure made the grads)
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")

@@ -554,6 +554,10 @@ def test_a_refused_step_is_not_counted(cls):
     opt.eval()
     with pytest.raises(RuntimeError, match="eval mode"):
         opt.step()
+    calls = []  # refused before the closure runs (as schedulefree does): no forward/backward on x
+    with pytest.raises(RuntimeError, match="eval mode"):
+        opt.step(lambda: calls.append(1))
+    assert calls == []
     opt.train()
     assert opt.metrics()["optim/step"] == 2.0
     model.embed.weight.grad = torch.sparse_coo_tensor([[0]], [[1.0] * 8], (11, 8), check_invariants=True)
