@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._checkpoint import Checkpointed
+from ._distributed import warn_per_rank_loss
 from ._transfer import to_device
 from ._validation import _check_float, _check_int, check_betas
 from .functional.schedule_free import sf_weight
@@ -206,7 +207,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
         Polyak step uses it, the multiplier falls back to 1 and a "loss" event is recorded). The Polyak
         ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real
         number (numpy scalars included) or a one-element real tensor; a bool or complex value is refused
-        here rather than at the step.
+        here rather than at the step. Under data parallelism give the optimizer ``polyak_group`` and call
+        this on every rank (:mod:`nonans_optim._distributed`); without it, it warns once there.
 
         Not traced by torch.compile (nor are train()/eval()): inside a compiled training step dynamo
         discarded the writes these make to the optimizer, so the Polyak step silently never turned on and
@@ -223,6 +225,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
         self._pending_loss = loss.detach()
         if self._num_params():  # in the state, so that a resumed run keeps its Polyak step on
             self._global()["loss_given"] = True
+        if self._uses_polyak and getattr(self, "_polyak_group", None) is None:
+            warn_per_rank_loss(self)
 
     @torch.compiler.disable
     def train(self, mode: bool = True) -> "NonansOptimizer":

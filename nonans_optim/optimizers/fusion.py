@@ -18,6 +18,7 @@ import torch
 
 from .._base import NonansOptimizer
 from .._checkpoint import needs_init
+from .._distributed import check_group, sum_polyak_stats
 from .._validation import _check_float, _check_int, check_betas
 from ..detection import inspect
 from ..functional.polyak import update_polyak
@@ -59,6 +60,12 @@ class Fusion(NonansOptimizer):
             what brings SF-NorMuon's state under AdamW's 8 bytes per parameter.
         warmup_steps: linear lr warmup (also shapes the schedule-free weights).
         polyak: use the Polyak multiplier once set_loss() has been called.
+        polyak_group: under data-parallel or sharded training (DDP, ZeroRedundancyOptimizer), the process
+            group (e.g. ``dist.group.WORLD``) over which the Polyak statistics — loss, Σ|g|, entries — are
+            summed inside step(), so that every rank takes the step size a single process would on the
+            whole batch (:mod:`nonans_optim._distributed`). Every rank must then step, and call set_loss()
+            each step. None (default): this process's loss and gradients alone. A copy or unpickled
+            optimizer has none (a process group does not pickle): pass it again.
         resolution: "repair" (default), "skip" or "off".
         spike_factor: rescale a finite gradient whose norm exceeds this multiple of its running mean
             (default 10, chosen by ``python -m experiments spikes``; None: off;
@@ -82,7 +89,7 @@ class Fusion(NonansOptimizer):
                  shampoo_beta: float = 0.95, shampoo_refresh_every: int = 10, ns_steps: int = 5,
                  ns5_dtype: str = "auto", warmup_steps: int = 0, polyak: bool = True,
                  resolution: str = "repair", impl: str = "auto", spike_factor: float | None = 10.0,
-                 momentum_dtype: str = "auto"):
+                 momentum_dtype: str = "auto", polyak_group=None):
         if isinstance(components, str):  # before frozenset(): "ns5" would read as {'n', 's', '5'}
             raise ValueError(f"components must be a collection of names, e.g. ({components!r},), not the string "
                              f"{components!r}; choose from {sorted(COMPONENTS)}")
@@ -96,6 +103,7 @@ class Fusion(NonansOptimizer):
         self.components = comps
         self._schedule_free = "sf" in comps
         self._uses_polyak = bool(polyak)
+        self._polyak_group = check_group(polyak_group)  # (not pickled: a process group is not)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         betas=tuple(betas), eps=eps, sf_beta=sf_beta, normuon_beta2=normuon_beta2,
                         normuon_eps=normuon_eps, mona_alpha=mona_alpha, mona_beta=mona_beta,
@@ -157,27 +165,38 @@ class Fusion(NonansOptimizer):
 
     def _before_groups(self, ctx: dict[str, Any]) -> None:
         super()._before_groups(ctx)
-        if not (self._uses_polyak and self._global().get("loss_given", False)):
+        pg = getattr(self, "_polyak_group", None)  # (absent on an optimizer unpickled from an older version)
+        given = self._global().get("loss_given", False)
+        if not (self._uses_polyak and (given or pg is not None)):
             return
         grads = [p.grad for p in self._all_params() if p.grad is not None]
-        if not grads:
+        if not grads and pg is None:
             return
         # summed in fp32 whatever the gradients' dtype: an fp16 L1 norm overflows once Σ|g| > 65504, and a
         # finite gradient would be dropped from Ḡ as if it were non-finite
         # (fp64 when a gradient is fp64: a norm may only widen its input)
         wide = torch.float64 if any(g.dtype is torch.float64 for g in grads) else torch.float32
-        l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=wide)).float()
-        ok = torch.isfinite(l1)
-        numels = self._device_constant("numels", tuple(g.numel() for g in grads), l1.device, torch.float32)
-        l1_sum = torch.where(ok, l1, torch.zeros_like(l1)).sum()
-        count = torch.where(ok, numels, torch.zeros_like(numels)).sum()
-        mult, loss_bad = update_polyak(self._global()["polyak"], ctx["loss"], l1_sum, count)
+        if grads:
+            l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=wide)).float()
+            ok = torch.isfinite(l1)
+            numels = self._device_constant("numels", tuple(g.numel() for g in grads), l1.device, torch.float32)
+            l1_sum = torch.where(ok, l1, torch.zeros_like(l1)).sum()
+            count = torch.where(ok, numels, torch.zeros_like(numels)).sum()
+        else:  # a rank with no gradient this step still enters the collective
+            l1_sum = count = torch.zeros((), dtype=torch.float32, device=self._first_param().device)
+        loss = ctx["loss"]
+        if pg is not None:  # every rank the same statistics: the same multiplier (_distributed)
+            l1_sum, count, mean_loss = sum_polyak_stats(l1_sum, count, loss, pg)
+            loss = mean_loss if loss is not None else None
+            if not (given and grads):
+                return
+        mult, loss_bad = update_polyak(self._global()["polyak"], loss, l1_sum, count)
         ctx["gamma_mult"] = mult
         if ctx["resolution"] is not None and ctx["loss"] is not None:
-            _, counts = inspect(ctx["loss"].to(l1.device).reshape(1))
+            _, counts = inspect(ctx["loss"].to(l1_sum.device).reshape(1))  # (this rank's own loss)
             # Into the dense block, not the sparse dict: a compiled step records nothing else there, and one
             # dict entry would make the step assemble all P×S entries on the host.
-            dense_counts(ctx, l1.device)[0, STAGE_INDEX["loss"]] += counts
+            dense_counts(ctx, l1_sum.device)[0, STAGE_INDEX["loss"]] += counts
 
     def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
         return self._init_state(group, j, p)
