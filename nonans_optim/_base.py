@@ -72,6 +72,23 @@ class NonansOptimizer(Checkpointed, Optimizer):
         """_all_params()[0] without building the list; only called when there are parameters."""
         return next(p for g in self.param_groups for p in g["params"])
 
+    def _align_names(self, group: dict[str, Any]) -> None:
+        """A group whose ``param_names`` has another length than its ``params`` cannot say which name is
+        whose: ZeroRedundancyOptimizer copies a group's whole name list into each rank's shard of it, and
+        torch accepts that, so names routed the wrong tensors (an embedding to the spectral path) and
+        labelled events with other parameters' names. Its names become None (routing by ``path`` or
+        shape, events by index), with a warning; never a wrong name."""
+        names = group.get("param_names")
+        if names is None or len(names) == len(group["params"]):
+            return
+        warnings.warn(f"{type(self).__name__}: a param group has {len(names)} param_names for "
+                      f"{len(group['params'])} params (ZeroRedundancyOptimizer passes each rank the whole list), "
+                      "so no name can be matched to its tensor: the names are dropped — routing falls back to "
+                      "the group's 'path' or the shapes, events name parameters by index. To route embeddings "
+                      "and heads, give groups a 'path' (no.param_groups(model) does).", RuntimeWarning,
+                      stacklevel=4)
+        group["param_names"] = [None] * len(group["params"])
+
     def _param_names(self) -> list[str | int]:
         names: list[str | int] = []
         for group in self.param_groups:
@@ -145,6 +162,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         super().add_param_group(param_group)  # raises for a tensor already in another group
         try:
             params = self.param_groups[-1]["params"]
+            self._align_names(self.param_groups[-1])
             if len({id(p) for p in params}) != len(params):
                 raise ValueError("params contains duplicate parameters (a tensor appears twice)")
             complex_ = [p.dtype for p in params if p.is_complex()]

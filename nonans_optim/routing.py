@@ -18,8 +18,9 @@ from torch import nn
 
 __all__ = ["route", "param_groups", "SCALAR_NAME_PATTERN", "matrix_shape"]
 
-# Names that mark embeddings and output heads in common model code (GPT-2 wte/wpe, HF lm_head, timm head).
-SCALAR_NAME_PATTERN = r"(embed|(^|\.)(wte|wpe|lm_head|head|classifier|fc_out|output_layer)(\.|$))"
+# Names that mark embeddings and output heads in common model code (GPT-2 wte/wpe, HF lm_head, timm head,
+# minGPT's tok_emb/pos_emb: any "<x>_emb" or "emb" module).
+SCALAR_NAME_PATTERN = r"(embed|(^|\.)(wte|wpe|lm_head|head|classifier|fc_out|output_layer|emb|\w+_emb)(\.|$))"
 
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 

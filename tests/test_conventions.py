@@ -670,3 +670,17 @@ def test_fp64_parameters_of_any_shape_match_torch_adamw(impl):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-15)
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(o_opt.state[q][k], t_opt.state[p][k], rtol=0, atol=1e-15)
+
+
+def test_param_names_of_another_length_than_params_are_dropped_with_a_warning():
+    """ZeroRedundancyOptimizer gives each rank's shard of a group the group's whole param_names list (torch
+    accepts it): names were then matched by position to other tensors — an embedding routed by a hidden
+    layer's name to the spectral path, events labelled with other parameters' names. They are dropped."""
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8, bias=False))
+    names, params = zip(*model.named_parameters())
+    with pytest.warns(RuntimeWarning, match="2 param_names for 1 params"):
+        opt = no.SFNorMuon([{"params": [params[1]], "param_names": list(names)}])
+    assert opt.param_groups[0]["param_names"] == [None]
+    assert opt._param_names() == [0]
+    ok = no.SFNorMuon([{"params": list(params), "param_names": list(names)}])  # matching lengths: kept
+    assert ok._param_names() == list(names)

@@ -336,6 +336,9 @@ def test_route_sends_thin_matrices_to_scalar_and_matches_whole_name_parts():
     assert [route(w, n) for n in ("head.weight", "model.lm_head.weight", "blocks.0.multihead.weight",
                                   "overhead.proj.weight", "embed_tokens.weight")] == [
         "scalar", "scalar", "spectral", "spectral", "scalar"]
+    # minGPT's tok_emb/pos_emb (any "<x>_emb" part, or "emb"); not a part that merely contains "emb"
+    assert [route(w, n) for n in ("tok_emb.weight", "transformer.pos_emb", "emb.weight", "temb_proj.weight",
+                                  "member.weight")] == ["scalar", "scalar", "scalar", "spectral", "spectral"]
 
 
 def test_param_groups_finds_embeddings_by_type_and_keeps_1d_undecayed():
