@@ -21,6 +21,7 @@ checks and torch's load hooks, and the copy protocol.
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -83,6 +84,31 @@ def global_entry(state_dict: dict[str, Any]) -> tuple[int, dict[str, Any]] | Non
         if isinstance(st, dict) and isinstance(st.get(GLOBAL_KEY), dict):
             return pos, st[GLOBAL_KEY]
     return None
+
+
+def one_global(state_dict: dict[str, Any], name: str) -> dict[str, Any]:
+    """``state_dict`` with one optimizer-level dict — a new dict where it had several, the caller's is not
+    modified. ZeroRedundancyOptimizer's consolidated ``state_dict`` holds one per rank, each in the state of
+    that rank's carrier, and each rank's resolution counters are indexed by *its shard's* parameters: loaded
+    into one optimizer, the first would have been taken whole and its counters, escalation scales and
+    spike-guard averages given to other parameters. The first is kept without its counters (they start
+    afresh: the step, Polyak state and mode are every rank's alike), the others dropped, with a warning."""
+    state = state_dict.get("state", {})
+    held = [pid for pid in _ids(state_dict)
+            if isinstance(state.get(pid), dict) and isinstance(state[pid].get(GLOBAL_KEY), dict)]
+    if len(held) < 2:
+        return state_dict
+    warnings.warn(f"{name}.load_state_dict: the checkpoint holds the optimizer-level state of {len(held)} "
+                  "optimizers (ZeroRedundancyOptimizer's consolidated state_dict: one per rank, each counting "
+                  "events by its own shard's parameters); the resolution counters cannot be matched to "
+                  "parameters and start afresh, the step, Polyak state and mode are taken from the first.",
+                  RuntimeWarning, stacklevel=4)
+    state = dict(state)
+    first = {k: v for k, v in state[held[0]][GLOBAL_KEY].items() if k != "resolution"}
+    state[held[0]] = {**state[held[0]], GLOBAL_KEY: first}
+    for pid in held[1:]:
+        state[pid] = {k: v for k, v in state[pid].items() if k != GLOBAL_KEY}
+    return {**state_dict, "state": state}
 
 
 def legacy_global(glob: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +270,7 @@ class Checkpointed:
             state_dict = state_dict if result is None else result
         named = [isinstance(g, dict) and "param_names" in g for g in state_dict.get("param_groups", ())]
         state_dict = with_group_defaults(self, state_dict)  # new dicts: the caller's is not modified
+        state_dict = one_global(state_dict, type(self).__name__)
         if self._num_params():  # an old checkpoint kept the optimizer-level state at the top of "state"
             carrier = self._carrier()
             self._carrier_cache = None  # (the loaded state decides it from now on)

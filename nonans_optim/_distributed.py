@@ -68,4 +68,4 @@ def warn_per_rank_loss(opt: Any) -> None:
                   "ranks) and no polyak_group: the Polyak step size follows this rank's loss alone, so under "
                   "data parallelism the replicas take different steps and drift apart. Pass "
                   "polyak_group=dist.group.WORLD (or the data-parallel group) to the optimizer; if the ranks "
-                  "train independent models, ignore this.", RuntimeWarning, stacklevel=3)
+                  "train independent models, ignore this.", RuntimeWarning, stacklevel=4)

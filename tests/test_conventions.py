@@ -684,3 +684,32 @@ def test_param_names_of_another_length_than_params_are_dropped_with_a_warning():
     assert opt._param_names() == [0]
     ok = no.SFNorMuon([{"params": list(params), "param_names": list(names)}])  # matching lengths: kept
     assert ok._param_names() == list(names)
+
+
+def test_a_checkpoint_holding_several_optimizers_state_loads_without_misplaced_counters():
+    """ZeroRedundancyOptimizer's consolidated state_dict holds each rank's optimizer-level dict, whose
+    counters index that rank's shard. Loaded into one optimizer, the first rank's counters were given to
+    the first parameters of the whole model (an event of 4.weight reported on 0.bias). Now they start afresh,
+    with a warning; the step and the moments load as saved."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    params = list(model.parameters())
+    shards = [no.SFNorMuon(params[:2]), no.SFNorMuon(params[2:])]  # rank 0's and rank 1's local optimizers
+    for step in range(3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        if step == 1:
+            params[2].grad[0, 0] = float("nan")  # an event of rank 1's first parameter
+        for opt in shards:
+            opt.step()
+        model.zero_grad()
+    assert [e.param for e in shards[1].events] == [0]  # shard-local index
+    a, b = (opt.state_dict() for opt in shards)
+    merged = {"state": {**a["state"], **{k + 2: v for k, v in b["state"].items()}},
+              "param_groups": [{**a["param_groups"][0], "params": [0, 1, 2, 3]}]}
+    whole = no.SFNorMuon(params)
+    with pytest.warns(RuntimeWarning, match="optimizer-level state of 2 optimizers"):
+        whole.load_state_dict(merged)
+    assert whole.events == [] and whole.metrics()["optim/step"] == 3.0
+    assert torch.equal(whole.state[params[2]]["momentum_buffer"], shards[1].state[params[2]]["momentum_buffer"])
+    model(torch.randn(8, 4)).square().mean().backward()
+    whole.step()
+    assert whole.metrics()["optim/step"] == 4.0 and all(torch.isfinite(p).all() for p in params)
