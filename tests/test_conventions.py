@@ -624,13 +624,12 @@ class LogitScale(nn.Module):
 
 
 @pytest.mark.parametrize("name", ["AdamW", "SFAdamW", "Muon", "SFNorMuon"])
-@pytest.mark.parametrize("impl,dtype", [("loop", torch.bfloat16), ("foreach", torch.float16),
-                                        ("fused", torch.bfloat16)])  # (fused: the compiled kernels)
+@pytest.mark.parametrize("impl,dtype", [("loop", torch.bfloat16), ("foreach", torch.float16)])
 def test_a_half_precision_0d_parameter_steps_and_repair_equals_off(dtype, name, impl):
     """The 0-d parameter's update came out in fp32 (0-d times the 0-d fp32 step size promotes), and the
     guarded write into the bf16/fp16 parameter raised under "repair" and "skip": AdamW and Muon crashed at
     their first step on such a model, which torch.optim.AdamW steps."""
-    runs = {}
+    runs = {}  # (the eager paths: the compiled kernel, which impl="fused" runs for 16-bit groups, had no crash)
     for policy in ("repair", "skip", "off"):
         model = LogitScale().to(dtype)
         opt = getattr(no, name)(model.named_parameters(), lr=1e-2, impl=impl, resolution=policy)
@@ -642,10 +641,8 @@ def test_a_half_precision_0d_parameter_steps_and_repair_equals_off(dtype, name, 
         runs[policy] = [p.detach().clone() for p in model.parameters()]
         assert model.logit_scale.dtype == dtype and model.logit_scale.dim() == 0
     assert not torch.equal(runs["off"][0], LogitScale().to(dtype).logit_scale)  # it moved
-    assert all(torch.equal(a, b) for a, b in zip(runs["repair"], runs["off"]))
-    # "skip" on the 0-d parameter as "off" (its matrix may differ in the last bf16 bit under impl="fused":
-    # the compiled spectral step does not cover "skip", which runs the foreach step, rounded differently)
-    assert torch.equal(runs["skip"][0], runs["off"][0])
+    for policy in ("repair", "skip"):
+        assert all(torch.equal(a, b) for a, b in zip(runs[policy], runs["off"])), policy
 
 
 @pytest.mark.parametrize("impl", ["foreach", "compiled", "fused"])
