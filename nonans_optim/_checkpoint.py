@@ -230,7 +230,24 @@ class Checkpointed:
             if c is None:
                 c = next((p for p in params if p.requires_grad), params[0])
             self._carrier_cache = c
+        if not c.requires_grad:
+            c = self._move_carrier(c)
         return c
+
+    def _move_carrier(self, c: torch.Tensor) -> torch.Tensor:
+        """The carrier was frozen (``requires_grad_(False)``, fine-tuning that freezes the first layers
+        mid-run): the optimizer-level dict moves to the first parameter that still requires grad. There it
+        is where a resumed run's optimizer, built with the same parameters frozen, looks for it — a
+        ``dcp.load`` found no ``nonans`` entry under that parameter and failed (torch's AdamW resumes), and
+        DCP drops a frozen parameter's state when it saves. Nothing moves while every parameter is frozen."""
+        new = next((p for p in self._all_params() if p.requires_grad), None)
+        if new is None:
+            return c
+        glob = self.state.get(c, {}).pop(GLOBAL_KEY, None)
+        if glob is not None:
+            self.state[new][GLOBAL_KEY] = glob
+        self._carrier_cache = new
+        return new
 
     def _global_state(self) -> dict[str, Any] | None:
         """The optimizer-level state, or None before anything made it (never creates it)."""

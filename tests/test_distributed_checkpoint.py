@@ -324,3 +324,44 @@ def test_two_ranks_save_and_load_through_dcp(name, tmp_path):
         for p, q in zip(run["a"], run["b"]):
             assert torch.equal(p, q)
         assert run["ma"] == run["mb"] and run["ma"]["resolution/events_total"] > 0
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SFNorMuon"])
+def test_freezing_the_carrier_mid_run_then_resuming_frozen_through_dcp(name, tmp_path):
+    """Fine-tuning that freezes the first layer mid-run: the optimizer-level dict lived on that layer's
+    weight (the first trainable parameter when it was made), and a resumed run — built with the layer
+    frozen — looks for it under its own first trainable parameter: dcp.load failed ("Missing key ...
+    nonans.step") where torch's AdamW resumes. The dict now moves with the freeze."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def freeze(model):
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    model = build()
+    opt = getattr(no, name)(model.parameters(), lr=1e-2)
+    for i in range(3):
+        if i == 1:
+            freeze(model)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    assert GLOBAL_KEY not in opt.state[model[0].weight] and GLOBAL_KEY in opt.state[model[2].weight]
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+    twin = build()
+    twin.load_state_dict(model.state_dict())
+    freeze(twin)
+    opt_b = getattr(no, name)(twin.parameters(), lr=1e-2)
+    target = {"optim": get_optimizer_state_dict(twin, opt_b)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(twin, opt_b, target["optim"])
+    assert opt_b.metrics() == opt.metrics() and opt_b.metrics()["optim/step"] == 3.0
+    for m, o in ((model, opt), (twin, opt_b)):
+        o.zero_grad()
+        ((m(x) - y) ** 2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
