@@ -31,7 +31,10 @@ def test_bad_hyperparameters_raise_naming_the_argument(info, bad):
                                  dict(ns5_dtype="int8"), dict(ns5_dtype=torch.int32),
                                  # ±Inf passed and overflowed the MONA buffers at every step; "no" is truthy
                                  dict(mona_alpha=float("inf")), dict(mona_alpha="0.1"), dict(polyak="no"),
-                                 dict(polyak=None)])
+                                 dict(polyak=None),
+                                 # a dead row (v = 0) divided 0 by 0 and held the whole matrix every step;
+                                 # a β whose reciprocal overflows fp32 stepped, then eval() raised
+                                 dict(normuon_eps=0.0), dict(sf_beta=1e-40)])
 def test_bad_spectral_hyperparameters_raise_at_construction(bad):
     """Caught where the typo is made, not at the first step()."""
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -41,6 +44,12 @@ def test_bad_spectral_hyperparameters_raise_at_construction(bad):
 def test_unknown_component_is_named():
     with pytest.raises(ValueError, match="adam"):
         no.Fusion(make_model().parameters(), components=("ns5", "adam"))
+
+
+def test_sfadamw_refuses_an_interpolation_weight_whose_reciprocal_overflows():
+    with pytest.raises(ValueError, match="betas"):
+        no.SFAdamW(make_model().parameters(), betas=(1e-40, 0.999))
+    no.SFAdamW(make_model().parameters(), betas=(1e-20, 0.999)).eval()  # small but representable: fine
 
 
 def test_components_given_as_one_string_says_so():

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sf_update_", "sf_weight", "to_x_", "to_y_"]
+__all__ = ["sf_update_", "sf_weight", "to_x_", "to_y_", "SF_BETA_MIN"]
+
+# The smallest interpolation weight β accepted: x is rebuilt from y and z by dividing by β in fp32 (to_x_),
+# and 1/β must stay finite there with room (1/β ≤ 2^100 ≪ fp32's 2^128); a smaller β passed validation and
+# steps, then eval() raised "value cannot be converted to type float without overflow".
+SF_BETA_MIN = 2.0 ** -100
 
 
 def sf_weight(lr_t: float, weight_sum: float) -> tuple[float, float]:

@@ -13,7 +13,7 @@ import torch
 from .._base import NonansOptimizer
 from .._checkpoint import needs_init
 from .._validation import check_betas
-from ..functional.schedule_free import to_x_, to_y_
+from ..functional.schedule_free import SF_BETA_MIN, to_x_, to_y_
 from ._scalar import scalar_init_state, scalar_update
 
 __all__ = ["AdamW", "SFAdamW"]
@@ -100,9 +100,9 @@ class SFAdamW(_ScalarOnly):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        if group["betas"][0] <= 0:
+        if not group["betas"][0] >= SF_BETA_MIN:
             raise ValueError(f"Invalid betas[0]: {group['betas'][0]} (the schedule-free interpolation weight "
-                             "must be > 0: rebuilding x divides by it)")
+                             f"must be at least {SF_BETA_MIN}: rebuilding x divides by it in fp32)")
 
     @torch.no_grad()
     def _swap(self, *, to_train: bool) -> None:

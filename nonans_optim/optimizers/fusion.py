@@ -22,7 +22,7 @@ from .._distributed import check_group, sum_polyak_stats
 from .._validation import _check_float, _check_int, check_betas
 from ..detection import inspect
 from ..functional.polyak import update_polyak
-from ..functional.schedule_free import to_x_, to_y_
+from ..functional.schedule_free import SF_BETA_MIN, to_x_, to_y_
 from ..resolution import STAGE_INDEX
 from ..ns5 import hot_dtype
 from ..routing import route
@@ -122,14 +122,18 @@ class Fusion(NonansOptimizer):
         for name in ("momentum", "sf_beta", "normuon_beta2", "mona_beta", "shampoo_beta"):
             _check_float(name, group[name], high=1.0, high_open=True)
         _check_float("normuon_eps", group["normuon_eps"])
+        if not group["normuon_eps"] > 0:  # a dead row (a unit whose gradient is all zeros) has v = 0: Ô = 0/0
+            raise ValueError(f"Invalid normuon_eps: {group['normuon_eps']} (must be > 0: a row whose moment is "
+                             "0 — a dead unit — would divide 0 by 0 and hold the whole matrix)")
         # any finite real (MONA's mixing weight may be negative), a CPU tensor as any hyperparameter; stored
         # as a float. ±Inf used to pass and overflowed the MONA buffers at every step.
         _check_float("mona_alpha", group["mona_alpha"], low=-math.inf)
         group["mona_alpha"] = float(group["mona_alpha"])
         if not isinstance(group["nesterov"], bool):
             raise ValueError(f"Invalid nesterov: {group['nesterov']!r} (must be True or False)")
-        if "sf" in self.components and (group["sf_beta"] <= 0 or group["betas"][0] <= 0):
-            raise ValueError("schedule-free needs sf_beta > 0 and betas[0] > 0 (x is rebuilt by dividing by β)")
+        if "sf" in self.components and not min(group["sf_beta"], group["betas"][0]) >= SF_BETA_MIN:
+            raise ValueError(f"schedule-free needs sf_beta and betas[0] of at least {SF_BETA_MIN} (x is rebuilt "
+                             f"by dividing by β in fp32), got {group['sf_beta']} and {group['betas'][0]}")
         for name in ("ns_steps", "shampoo_refresh_every"):
             group[name] = _check_int(name, group[name], low=1)
         try:  # resolve the name now, not at the first step(): a typo should fail where it was made
