@@ -59,8 +59,12 @@ def _adamw_kernel(P, G, M, V, COUNTS, FLAG, N, lr, beta1, beta2, eps, weight_dec
         v_new = v * beta2 + (1.0 - beta2) * (g * g)
         if POLICY != 0:  # missing entries, and overflows with finite inputs (as stored): keep the old value
             finite = (g == g) & (tl.abs(g) != float("inf"))
-            m_new = tl.where(finite & kept_finite(m_new, M.dtype.element_ty, EMULATE), m_new, m)
-            v_new = tl.where(finite & kept_finite(v_new, V.dtype.element_ty, EMULATE), v_new, v)
+            # either moment not kept finite: a missing observation, both keep their values (one overflowed
+            # alone, the other written, moved the parameter by ~1e35: functional/adam.py::_observed)
+            seen = finite & kept_finite(m_new, M.dtype.element_ty, EMULATE) & kept_finite(v_new, V.dtype.element_ty,
+                                                                                            EMULATE)
+            m_new = tl.where(seen, m_new, m)
+            v_new = tl.where(seen, v_new, v)
         p_new = p * (1.0 - lr_value * weight_decay)
         denom = tl.div_rn(tl.sqrt_rn(v_new), tl.sqrt_rn(bc2_value)) + eps
         p_new = p_new - tl.div_rn(lr_value, bc1_value) * tl.div_rn(m_new, denom)
@@ -130,8 +134,9 @@ def fused_adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: tor
     m_new = m + (1.0 - beta1) * (g - m)
     v_new = v * beta2 + (1.0 - beta2) * (g * g)
     if code != 0:
-        m_new = torch.where(finite & storable_mask(m_new, exp_avg.dtype), m_new, m)
-        v_new = torch.where(finite & storable_mask(v_new, exp_avg_sq.dtype), v_new, v)
+        seen = finite & storable_mask(m_new, exp_avg.dtype) & storable_mask(v_new, exp_avg_sq.dtype)
+        m_new = torch.where(seen, m_new, m)
+        v_new = torch.where(seen, v_new, v)
     bc2 = torch.as_tensor(bias_correction2, dtype=torch.float32, device=p.device)
     p_new = p * (1.0 - lr * weight_decay)
     p_new = p_new - (lr / bias_correction1) * (m_new / (v_new.sqrt() / bc2.sqrt() + eps))

@@ -193,11 +193,16 @@ def _update_values(g, po, so, vo, hp_ptr, bc1, bc2, lr, s, hold, keep_all, TY: t
             g_in = tl.where(ok, gs, so)
         mn = _lerp(so, g_in, one_m_b1)
     v_ok = kept_finite(vn, TY, EMULATE)  # before the gate: a bad g makes it False too (subtracted below)
-    if GATE:
-        vn = tl.where(v_ok, vn, vo)
-        if not SF:  # g - m inside the lerp can overflow with both finite: m keeps its value there
+    if GATE:  # new v or (AdamW) new m not kept finite: a missing observation — both moments keep their
+        # values, the entry moves nothing in z (functional/adam.py::_observed)
+        seen = v_ok
+        if SF:
+            mn = tl.where(seen, mn, 0.0)
+        else:  # g - m inside the lerp can overflow with both finite
             m_ok = kept_finite(mn, TY, EMULATE)
-            mn = tl.where(m_ok, mn, so)
+            seen = v_ok & m_ok
+            mn = tl.where(seen, mn, so)
+        vn = tl.where(seen, vn, vo)
     denom = tl.sqrt_rn(tl.div_rn(vn, bc2)) + eps
     if SF:
         d = tl.div_rn(mn, denom)

@@ -223,7 +223,7 @@ def test_writes_are_visible_to_autograd(make):
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_second_moment_overflow_counts_as_the_loop_does(cls, impl):
     """The moment stage counts entries whose new v is not finite although g was — also where g² is finite
-    and only β₂·v + (1-β₂)·g² overflows (the loop's definition, functional/adam.py::_gate_second_moment),
+    and only β₂·v + (1-β₂)·g² overflows (the loop's definition, functional/adam.py::_observed),
     which a count of non-finite g² alone would miss."""
     runs = []
     for which in ("loop", impl):

@@ -618,3 +618,39 @@ def test_inspect_and_tensor_counts_are_nan_then_inf():
     assert ok.tolist() == [False, False, True, False, False] and counts.tolist() == [1, 3]
     assert tensor_counts(x).tolist() == [[1, 0], [0, 1], [0, 0], [0, 1], [0, 1]]
     assert tensor_counts(x[0]).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SFAdamW"])
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "fused"])
+def test_a_finite_gradient_that_overflows_a_moment_is_a_missing_observation(name, impl):
+    """g = 3e38 is finite, but (1-β₂)·g² overflows v. Only v used to be kept there: AdamW wrote m =
+    0.9·m + 0.1·g (finite), schedule-free divided g itself by the old v, and m̂/√v̂ moved the parameter
+    to ~1e35 (a third audit, 2026-11-26; torch's AdamW leaves v at +Inf and the entry at rest). Now the
+    entry is missing for both moments: they keep their values, it moves nothing, and it counts once at the
+    "moment" stage — in every implementation alike."""
+    def run(impl):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8))
+        opt = getattr(no, name)([p], lr=1e-3, impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(8):
+            g = torch.randn(8, generator=gen)
+            if t == 3:
+                g[2] = 3e38
+                before = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+            p.grad = g
+            opt.step()
+            if t == 3:
+                after = opt.state[p]
+                keys = ("exp_avg", "exp_avg_sq") if name == "AdamW" else ("exp_avg_sq",)
+                assert all(after[k][2] == before[k][2] for k in keys)
+                assert abs(float(p[2])) < 5
+            assert float(p.detach().abs().max()) < 5
+        return [p], opt
+
+    ps, opt = run(impl)
+    evs = [(e.step, e.stage, e.nan_count, e.inf_count) for e in opt.events]
+    assert evs == [(4, "moment", 0, 1)]
+    if impl != "loop":
+        ref_ps, ref_opt = run("loop")
+        assert_params_and_state_close(ref_ps, ref_opt, ps, opt)

@@ -43,27 +43,39 @@ def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def _gate_second_moment(v: torch.Tensor, v_new: torch.Tensor, g: Tally,
-                        m_ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write ``v_new`` into ``v`` where finite (:func:`gate_overflow_`) and return the moment-stage count as
-    (a, b), 0-d int64, overflow = a - b (``_common.record_inf`` takes the pair; the subtraction is done with
-    the step's other counts): entries whose new v (g² > fp32 max) or, given ``m_ok`` (the first moment's
-    :func:`gate_overflow_` mask), new m is non-finite although the gradient was finite. A bad gradient
-    entry always makes its new v non-finite and never its m (gated to m itself), so that count is
-    (numel - #both written) - #bad g = #finite g - #both written."""
-    v_ok = gate_overflow_(v, v_new)
-    both = v_ok if m_ok is None else v_ok & m_ok
-    return g.finite, torch.count_nonzero(both)
+def _observed(v: torch.Tensor, v_new: torch.Tensor, m: torch.Tensor | None = None,
+              m_new: torch.Tensor | None = None) -> torch.Tensor:
+    """The entries this step observed: both new moments storable. Everywhere else — a bad gradient entry
+    (its new v is non-finite), or a finite one whose g² or g - m overflowed — is a missing observation, and
+    *both* moments keep their values there. Keeping only the one that overflowed was not enough: a finite
+    g of 3e38 overflowed v (kept) but not m (0.9·m + 0.1·g, written), and m̂/√v̂ with the old, small v moved
+    the parameter by ~1e35 (an audit, 2026-11-26; torch's AdamW leaves v at +Inf and the entry at rest)."""
+    ok = storable_mask(v_new, v.dtype)
+    return ok if m is None else ok & storable_mask(m_new, m.dtype)
+
+
+def _write_observed_(buf: torch.Tensor, new: torch.Tensor, ok: torch.Tensor) -> None:
+    torch.where(ok, new.to(buf.dtype), buf, out=buf)
+
+
+def _moment_count(g: Tally, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moment-stage count as (a, b), 0-d int64, overflow = a - b (``_common.record_inf`` takes the
+    pair; the subtraction is done with the step's other counts): the entries not observed although the
+    gradient was finite. A bad gradient entry is never observed, so that is #finite g - #observed."""
+    return g.finite, torch.count_nonzero(ok)
 
 
 def _moments_one(g, m, v, beta1, beta2, repair):
     """Update m, v in place for one tensor; returns the Tally of g and the moment-overflow count (a, b) of
-    :func:`_gate_second_moment`."""
+    :func:`_moment_count`."""
     if repair:
         g_in, g_counts = gated_grad(g, m)
-        m_ok = gate_overflow_(m, torch.lerp(m, g_in, 1 - beta1))
+        m_new = torch.lerp(m, g_in, 1 - beta1)
         v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        return g_counts, _gate_second_moment(v, v_new, g_counts, m_ok)
+        ok = _observed(v, v_new, m, m_new)
+        _write_observed_(m, m_new, ok)
+        _write_observed_(v, v_new, ok)
+        return g_counts, _moment_count(g_counts, ok)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     return None, None
@@ -91,10 +103,14 @@ def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: f
     g_in = [x[0] for x in gated]
     g_counts = [x[1] for x in gated]
     m_new = torch._foreach_lerp(exp_avgs, g_in, 1 - beta1)
-    m_oks = [gate_overflow_(m, mn) for m, mn in zip(exp_avgs, m_new)]
     v_new = torch._foreach_mul(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(v_new, grads, grads, value=1 - beta2)
-    moment_counts = [_gate_second_moment(v, vn, gc, mo) for v, vn, gc, mo in zip(exp_avg_sqs, v_new, g_counts, m_oks)]
+    moment_counts = []
+    for m, mn, v, vn, gc in zip(exp_avgs, m_new, exp_avg_sqs, v_new, g_counts):
+        ok = _observed(v, vn, m, mn)
+        _write_observed_(m, mn, ok)
+        _write_observed_(v, vn, ok)
+        moment_counts.append(_moment_count(gc, ok))
     return g_counts, moment_counts
 
 
@@ -102,8 +118,9 @@ def sf_moments(grads, exp_avg_sqs, *, beta2: float, repair: bool):
     """Schedule-free AdamW has no first moment: returns (direction inputs, grad counts, moment counts).
 
     The direction input is the gradient with missing entries set to 0 (they move nothing in z); v sees the
-    raw gradient, so a missing entry makes the new v non-finite there and the gate keeps the old v. One
-    detection pass per tensor (the Adam form would detect twice: for its m gate and for this one)."""
+    raw gradient, so a missing entry makes the new v non-finite there and the gate keeps the old v. A finite
+    entry whose g² overflowed v is missing too (:func:`_observed`): divided by the old v it moved z and the
+    parameter by ~1e35. One detection pass per tensor (the Adam form would detect twice)."""
     if not repair:
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
@@ -112,9 +129,11 @@ def sf_moments(grads, exp_avg_sqs, *, beta2: float, repair: bool):
     v_news = torch._foreach_mul(exp_avg_sqs, beta2)  # the "off" branch's two ops, out of place
     torch._foreach_addcmul_(v_news, grads, grads, value=1 - beta2)
     for g, v, v_new in zip(grads, exp_avg_sqs, v_news):
-        ok, t = tally(g)
+        _, t = tally(g)
+        ok = _observed(v, v_new)  # (False at a bad g entry: its new v is non-finite)
         d_in.append(torch.where(ok, g, 0.0))
-        m_counts.append(_gate_second_moment(v, v_new, t))
+        _write_observed_(v, v_new, ok)
+        m_counts.append(_moment_count(t, ok))
         g_counts.append(t)
     return d_in, g_counts, m_counts
 

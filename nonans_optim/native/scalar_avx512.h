@@ -39,15 +39,13 @@ static inline __attribute__((always_inline)) void arith_(
     __m512 vn = _mm512_add_ps(_mm512_mul_ps(vo, k->b2), g2), mn;
     if (sf) mn = gated ? _mm512_maskz_mov_ps((__mmask16)~gbad, gs) : gs; /* a missing entry moves nothing */
     else mn = vlerp_(mo, gated ? _mm512_mask_blend_ps(gbad, gs, mo) : gs, k->w, k->one_m_w, k->small_w);
-    if (gated) {
-        const __mmask16 vbad = _mm512_fpclass_ps_mask(vn, NONFINITE_) & lm;
-        vn = _mm512_mask_blend_ps(vbad, vn, vo);
-        __mmask16 mbad = 0;
-        if (!sf) { /* m overflowed with a finite g (g - m inside the lerp): keep it; the entry counts once */
-            mbad = _mm512_fpclass_ps_mask(mn, NONFINITE_) & lm;
-            mn = _mm512_mask_blend_ps(mbad, mn, mo);
-        }
-        *vb += __builtin_popcount(vbad | mbad);
+    if (gated) { /* new v or (AdamW) new m not finite: a missing observation, both moments kept, the
+                  * entry moves nothing in z (scalar_step.c's update_block); it counts once */
+        __mmask16 miss = _mm512_fpclass_ps_mask(vn, NONFINITE_) & lm;
+        if (!sf) miss |= _mm512_fpclass_ps_mask(mn, NONFINITE_) & lm;
+        vn = _mm512_mask_blend_ps(miss, vn, vo);
+        mn = sf ? _mm512_maskz_mov_ps((__mmask16)~miss, mn) : _mm512_mask_blend_ps(miss, mn, mo);
+        *vb += __builtin_popcount(miss);
     }
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vn, k->bc2)), k->eps);
     const __m512 d = sf ? _mm512_div_ps(mn, denom) : _mm512_div_ps(_mm512_div_ps(mn, k->bc1), denom);

@@ -120,12 +120,15 @@ static inline __attribute__((always_inline)) void update_block(
             mn = lerpf_(mo, gate ? (ok ? gs : mo) : gs, h.one_m_b1); /* missing: m keeps its value */
         }
         if (gate) {
-            /* a finite g can still overflow m (g - m inside the lerp) or v (g²): keep the old value.
-             * The moment stage counts entries where either did, so one counter takes both; a bad g never
-             * makes m non-finite (it is gated to m itself), so vbad - (bad g) stays the moment count. */
-            vbad += !finitef_(vn) | (sf ? 0 : !finitef_(mn));
-            vn = finitef_(vn) ? vn : vo;
-            if (!sf) mn = finitef_(mn) ? mn : mo;
+            /* a finite g can still overflow m (g - m inside the lerp) or v (g²): a missing observation, as
+             * a bad g is (whose new v is never finite) — both moments keep their values and the entry moves
+             * nothing in z (functional/adam.py::_observed; keeping only the one that overflowed moved a
+             * parameter by ~1e35). The moment stage counts such entries once; a bad g never makes m
+             * non-finite (it is gated to m itself), so vbad - (bad g) stays the moment count. */
+            const int miss = !finitef_(vn) | (sf ? 0 : !finitef_(mn));
+            vbad += miss;
+            vn = miss ? vo : vn;
+            mn = miss ? (sf ? 0.0f : mo) : mn;
         }
         const float denom = sqrtf(vn / bc2) + h.eps;
         float d = sf ? mn / denom : (mn / bc1) / denom;

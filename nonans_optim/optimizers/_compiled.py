@@ -132,11 +132,13 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
         g_in = torch.where(g_ok, g, m) if gate else g  # lerp(m, m, w) = m: m keeps its value there
         m_new = torch.lerp(m, g_in, one_m_b1)
     if gate:
-        # finite as stored: a 16-bit state's value is held in fp32 inside the graph (resolution.storable_mask)
+        # finite as stored: a 16-bit state's value is held in fp32 inside the graph (resolution.storable_mask).
+        # An entry where either new moment is not is a missing observation: both keep their values (the
+        # schedule-free direction input is 0 there), functional/adam.py::_observed
         v_ok = storable_mask(v_new, v.dtype)
-        v_new = torch.where(v_ok, v_new, v)
-        if not sf:  # g - m inside the lerp can overflow with both finite (functional/adam.py)
-            m_new = torch.where(storable_mask(m_new, m.dtype), m_new, m)
+        seen = v_ok if sf else v_ok & storable_mask(m_new, m.dtype)  # (g - m in the lerp can overflow)
+        v_new = torch.where(seen, v_new, v)
+        m_new = torch.where(seen, m_new, torch.zeros_like(m_new) if sf else m)
     denom = torch.sqrt(v_new / bc2) + eps
     d = m_new / denom if sf else (m_new / bc1) / denom
     if sf:
