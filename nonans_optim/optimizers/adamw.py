@@ -85,7 +85,14 @@ class SFAdamW(_ScalarOnly):
     ``betas[0]`` is the interpolation weight β of y = (1-β) z + β x (schedule_free's convention); call
     ``optimizer.eval()`` before evaluating/checkpointing (parameters become x) and ``optimizer.train()``
     before stepping again — ``step()`` in eval mode raises. Weight decay acts at z. ``spike_factor`` is
-    opt-in (default None) for the reason :class:`AdamW` gives."""
+    opt-in (default None) for the reason :class:`AdamW` gives.
+
+    Where it differs from ``schedulefree.AdamWScheduleFree`` (facebookresearch/schedule_free) besides weight
+    decay at z and the averaging weight from η_t² (ALGORITHMS.md): the bias correction counts each
+    parameter's own steps (``state['step']``, as torch's AdamW), not the group's — a parameter that skipped
+    steps (no gradient) differs, every other is the same to fp32 rounding (an audit, 2026-11-26: 6.8e-3 on
+    one that skipped 7 of 20 steps); and a new optimizer starts in train mode (the reference raises on a
+    ``step()`` before ``train()``)."""
 
     _sf = True
     _schedule_free = True
