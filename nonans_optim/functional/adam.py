@@ -7,12 +7,12 @@ Per tensor (Kingma & Ba 2015, Alg. 1; decoupled decay: Loshchilov & Hutter 2019)
 
 Resolution ("repair"): a non-finite g entry is a missing observation. We substitute g := m at that entry
 before the lerp, which leaves m *exactly* unchanged (lerp(m, m, w) = m in IEEE arithmetic) and keeps the
-Nesterov/direction input finite. Both moments are then selected with ``where`` on the finiteness of their
-new value: a finite g can still overflow them — g² > fp32 max in v, and in m the difference inside
+Nesterov/direction input finite. Both moments are then selected with ``where`` on the finiteness of both
+new values: a finite g can still overflow them — g² > fp32 max in v, and in m the difference inside
 lerp(m, g, w) = m + w·(g - m) when g and m are huge and of opposite signs (g = +3e38 after m = -3e37
-gives +Inf). Such an entry keeps its previous moment, and the "moment" stage counts the *entries* where a
-moment overflowed (at most numel, like every count). On clean entries every gate selects the stock value,
-so a clean step is bit-identical to ``"off"``.
+gives +Inf). Such an entry is a missing observation too: it keeps both previous moments (:func:`_observed`),
+and the "moment" stage counts the *entries* where a moment overflowed (at most numel, like every count).
+On clean entries every gate selects the stock value, so a clean step is bit-identical to ``"off"``.
 
 Two implementations of the same math: ``*_loop`` (one tensor at a time — the readable ground truth) and
 ``*_foreach`` (``torch._foreach_*`` over the list). Tests check they agree.
@@ -23,24 +23,13 @@ import torch
 
 from ..detection import Tally, storable_mask, tally
 
-__all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad",
-           "gate_overflow_"]
+__all__ = ["adam_moments_loop", "adam_moments_foreach", "sf_moments", "adam_direction", "gated_grad"]
 
 
 def gated_grad(g: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, Tally]:
     """(g with non-finite entries replaced by ``fallback``, the :class:`~nonans_optim.detection.Tally` of g)."""
     ok, t = tally(g)
     return torch.where(ok, g, fallback), t
-
-
-def gate_overflow_(buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Write ``new`` into ``buf`` where it is finite *as stored in buf's dtype* (a finite fp32 value near
-    fp32's maximum can round to Inf in bf16); keep the old value elsewhere. Returns that mask (True: the
-    new value was written). For a moment whose input was already gated (a missing entry feeds the old
-    value back, lerp(b, b, w) = b), a non-finite new value can only be an overflow inside the update."""
-    ok = storable_mask(new, buf.dtype)
-    torch.where(ok, new.to(buf.dtype), buf, out=buf)
-    return ok
 
 
 def _observed(v: torch.Tensor, v_new: torch.Tensor, m: torch.Tensor | None = None,
@@ -50,11 +39,12 @@ def _observed(v: torch.Tensor, v_new: torch.Tensor, m: torch.Tensor | None = Non
     *both* moments keep their values there. Keeping only the one that overflowed was not enough: a finite
     g of 3e38 overflowed v (kept) but not m (0.9·m + 0.1·g, written), and m̂/√v̂ with the old, small v moved
     the parameter by ~1e35 (an audit, 2026-11-26; torch's AdamW leaves v at +Inf and the entry at rest)."""
-    ok = storable_mask(v_new, v.dtype)
+    ok = storable_mask(v_new, v.dtype)  # finite *as stored*: an fp32 value near its maximum is Inf in bf16
     return ok if m is None else ok & storable_mask(m_new, m.dtype)
 
 
 def _write_observed_(buf: torch.Tensor, new: torch.Tensor, ok: torch.Tensor) -> None:
+    """buf ← new (rounded to buf's dtype) where ``ok`` (:func:`_observed`); the old value elsewhere."""
     torch.where(ok, new.to(buf.dtype), buf, out=buf)
 
 
