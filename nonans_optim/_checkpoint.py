@@ -76,14 +76,18 @@ def _ids(state_dict: dict[str, Any]) -> list:
     return [i for g in state_dict.get("param_groups", ()) for i in g.get("params", ())]
 
 
+def _holders(state_dict: dict[str, Any]) -> list[tuple[int, Any]]:
+    """(position among the checkpoint's parameters, id) of every parameter whose state holds an
+    optimizer-level dict, in order (one, unless several optimizers' states were merged: :func:`one_global`)."""
+    state = state_dict.get("state", {})
+    return [(pos, pid) for pos, pid in enumerate(_ids(state_dict))
+            if isinstance(state.get(pid), dict) and isinstance(state[pid].get(GLOBAL_KEY), dict)]
+
+
 def global_entry(state_dict: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
     """(position of the carrier among the checkpoint's parameters, the optimizer-level dict), or None."""
-    state = state_dict.get("state", {})
-    for pos, pid in enumerate(_ids(state_dict)):
-        st = state.get(pid)
-        if isinstance(st, dict) and isinstance(st.get(GLOBAL_KEY), dict):
-            return pos, st[GLOBAL_KEY]
-    return None
+    held = _holders(state_dict)
+    return (held[0][0], state_dict["state"][held[0][1]][GLOBAL_KEY]) if held else None
 
 
 def one_global(state_dict: dict[str, Any], name: str) -> dict[str, Any]:
@@ -93,9 +97,7 @@ def one_global(state_dict: dict[str, Any], name: str) -> dict[str, Any]:
     into one optimizer, the first would have been taken whole and its counters, escalation scales and
     spike-guard averages given to other parameters. The first is kept without its counters (they start
     afresh: the step, Polyak state and mode are every rank's alike), the others dropped, with a warning."""
-    state = state_dict.get("state", {})
-    held = [pid for pid in _ids(state_dict)
-            if isinstance(state.get(pid), dict) and isinstance(state[pid].get(GLOBAL_KEY), dict)]
+    held = [pid for _, pid in _holders(state_dict)]
     if len(held) < 2:
         return state_dict
     warnings.warn(f"{name}.load_state_dict: the checkpoint holds the optimizer-level state of {len(held)} "
@@ -103,7 +105,7 @@ def one_global(state_dict: dict[str, Any], name: str) -> dict[str, Any]:
                   "events by its own shard's parameters); the resolution counters cannot be matched to "
                   "parameters and start afresh, the step, Polyak state and mode are taken from the first.",
                   RuntimeWarning, stacklevel=4)
-    state = dict(state)
+    state = dict(state_dict["state"])
     first = {k: v for k, v in state[held[0]][GLOBAL_KEY].items() if k != "resolution"}
     state[held[0]] = {**state[held[0]], GLOBAL_KEY: first}
     for pid in held[1:]:
