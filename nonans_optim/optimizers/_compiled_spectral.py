@@ -17,8 +17,11 @@ compares parameters, state and counts within float tolerance — the generated c
 an FMA, and the Frobenius normalisation divides by the max-abs entry instead of the nearest power of two,
 which changes the last bit, not the value). Not covered, so those groups run ``impl="foreach"``:
 KL-Shampoo (its factor updates, QR refresh and bypass are matrix work with data-dependent control, already
-dominated by matmuls) and the "skip" policy (its whole-tensor restore needs the pre-step values, which the
-pre-graph has already overwritten).
+dominated by matmuls). "skip" runs the gated graphs of "repair" between an eager snapshot of the group's
+parameters and state and a whole-tensor restore where the gradient had a non-finite entry (what the loop
+does): it used to run foreach, whose normalisation differs from the graphs' in the last bit, so a clean
+"skip" step differed from a clean "off" step of the same ``impl`` (1 ulp in fp32, 0.016 on a bf16
+parameter in four steps), which the resolution contract forbids.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from ..detection import finite_mask, storable_mask
 from ..functional.normuon import RMS_TARGET
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
+from ._common import restore_if_bad, take_snapshot
 from ._compiled import (compile_available, compiled, count, guard_spikes, host_steps, nonfinite_counts,
                         report_failure, resolution_args, stage_rows, undo_steps)
 
@@ -39,9 +43,9 @@ __all__ = ["compiled_spectral_update", "supports"]
 
 def supports(comps: frozenset[str], policy: str, group: dict[str, Any], params: list[torch.Tensor]) -> bool:
     """Whether this compiled path covers a group (else the caller runs the foreach path): no KL-Shampoo,
-    no "skip", no fp16_safe NS5 (its rescaled coefficients live in ns5()), contiguous parameters (the
-    graphs work on matrix views of them)."""
-    return ("shampoo" not in comps and policy != "skip" and group["ns5_dtype"] != "fp16_safe"
+    no fp16_safe NS5 (its rescaled coefficients live in ns5()), contiguous parameters (the graphs work on
+    matrix views of them). Every policy."""
+    return ("shampoo" not in comps and group["ns5_dtype"] != "fp16_safe"
             and all(p.is_contiguous() for p in params) and compile_available())
 
 
@@ -254,8 +258,12 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     zs = [st.get("z") for st in states]
     sel, res, factor = resolution_args(ctx, indices, device)
     hot = hot_dtype(device, group["ns5_dtype"])
-    # one code object per variant and parameter dtype (dynamo's recompile limit counts per code object)
-    tag = "_".join(sorted(comps)) + f"_{policy}_" + str(params[0].dtype).replace("torch.", "")
+    # one code object per variant and parameter dtype (dynamo's recompile limit counts per code object);
+    # "skip" runs the graphs of "repair"
+    tag = "_".join(sorted(comps)) + ("_gated_" if gate else "_off_") + str(params[0].dtype).replace("torch.", "")
+    # "skip": the pre-graph writes the momentum, MONA and NorMuon state in place, so the pre-step values
+    # are copied first (take_snapshot, as the loop does) and put back below where the gradient was bad
+    snapshot = take_snapshot(params, states) if policy == "skip" else None
     pre, post = _kernels(tag)
     try:
         inputs, pre_counts, hold = pre(
@@ -270,4 +278,8 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
             for X, (_, tall) in zip(inputs, buckets)]
     post(outs, params, G2, zs, vs, pre_counts, hold, gamma, res, sel, hp_post, buckets, gate=gate,
          ns5="ns5" in comps, normuon="normuon" in comps, sf="sf" in comps, decay=group["weight_decay"] != 0)
+    if snapshot is not None:  # the gradient counts (n, 2): a tensor with any NaN/±Inf entry keeps everything
+        complete = (pre_counts[0].sum(-1) == 0).unbind()
+        for p, st, snap, ok in zip(params, states, snapshot, complete):
+            restore_if_bad(p, st, snap, ok)
     return True
