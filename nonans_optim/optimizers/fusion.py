@@ -197,7 +197,9 @@ class Fusion(NonansOptimizer):
         mult, loss_bad = update_polyak(self._global()["polyak"], loss, l1_sum, count)
         ctx["gamma_mult"] = mult
         if ctx["resolution"] is not None and ctx["loss"] is not None:
-            _, counts = inspect(ctx["loss"].to(l1_sum.device).reshape(1))  # (this rank's own loss)
+            # (this rank's own loss) in fp32, as update_polyak folds it in: a finite fp64 loss past fp32's
+            # range is dropped from the EMA there, so it is an Inf "loss" event here, not a silent drop
+            _, counts = inspect(ctx["loss"].to(device=l1_sum.device, dtype=torch.float32).reshape(1))
             # Into the dense block, not the sparse dict: a compiled step records nothing else there, and one
             # dict entry would make the step assemble all P×S entries on the host.
             dense_counts(ctx, l1_sum.device)[0, STAGE_INDEX["loss"]] += counts
