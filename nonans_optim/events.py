@@ -28,8 +28,9 @@ PARAM_STAGES = tuple(s != "loss" for s in STAGES)
 
 # What was done about it, by policy. Escalation is reported separately (it rides on either action).
 ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
-# ...except where "repair" held the parameter instead (no finite gradient entry twice within the repeat
-# window: it kept its value and state, as "skip" would; ALGORITHMS.md's continuation step is for once)
+# ...except where "repair" held the parameter instead (no finite gradient entry, on a parameter that had an
+# event of any kind within the repeat window: it kept its value and state, as "skip" would; ALGORITHMS.md's
+# continuation step is for an isolated loss)
 HELD = "held"
 
 
@@ -49,8 +50,8 @@ class SingularityEvent:
     still add up to the stage's count; repeated spikes escalate like any event). A "loss" event (a
     non-finite ``set_loss()`` value) belongs to no parameter: ``param`` is None and ``numel`` 1, and it
     backs off no parameter's step size. ``action``: "repaired", "skipped" or "none" by the policy in force
-    then, and "held" where "repair" held the parameter — no finite gradient entry again within the repeat
-    window, so it kept its value and state rather than continue from momentum once more.
+    then, and "held" where "repair" held the parameter — no finite gradient entry, and an event of any kind
+    on it within the repeat window, so it kept its value and state rather than continue from momentum.
     ``escalated``: this event backed the parameter's step size off
     (a repeat within the window). ``events`` keeps the last 63 steps that had any (a ring of 64 slots, one
     of them the free slot a clean step writes: 64 only until the first clean step after it filled)."""
