@@ -59,6 +59,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         self._resolution: Resolution | None = None
         self._index_cache: dict[tuple, torch.Tensor] = {}
         self._carrier_cache: torch.Tensor | None = None
+        self._last_gamma: torch.Tensor | None = None  # γ of param_groups[0] at the last step (metrics())
 
     # ------------------------------------------------------------------ param bookkeeping
     def _all_params(self) -> list[torch.Tensor]:
@@ -401,6 +402,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
             gamma = torch.full((), lr_t, dtype=dtype, device=device)
         if ctx["gamma_mult"] is not None:
             gamma = gamma * ctx["gamma_mult"]
+        if group is self.param_groups[0]:  # metrics()' fusion/gamma_curr (a reference: nothing writes into it)
+            self._last_gamma = gamma
         return gamma, c
 
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
@@ -449,9 +452,13 @@ class NonansOptimizer(Checkpointed, Optimizer):
             mult = float(pol["gamma_mult"]) if pol is not None else 1.0
             out["fusion/gamma_mult"] = mult
             g0 = self.param_groups[0]
-            # the step size of the last step: before the first one, warmup's factor at t = 0 (0 with
-            # warmup — no step has moved anything yet — and 1 without)
-            out["fusion/gamma_curr"] = mult * float(g0["lr"]) * _warmup(g0, st["step"] if st else 0)
+            # the step size the first group's last step took, γ = lr·warmup·multiplier: with a scheduler
+            # stepped after step() (torch's order), the group's lr is already the next step's. Before the
+            # first step (or after a load) the current lr, with warmup's factor at the current t (0 with
+            # warmup before any step — nothing has moved yet — and 1 without)
+            last = getattr(self, "_last_gamma", None)
+            out["fusion/gamma_curr"] = (float(last) if last is not None
+                                        else mult * float(g0["lr"]) * _warmup(g0, st["step"] if st else 0))
         if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
             out.update(self._get_resolution().summary())
         elif self.resolution_policy != "off":

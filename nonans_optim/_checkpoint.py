@@ -308,7 +308,7 @@ class Checkpointed:
     def _finish_load(self, state_dict: dict[str, Any]) -> None:
         """After torch's part of a load: buffer dtypes, and the optimizer-level state as saved."""
         self._restore_buffer_dtypes(state_dict)
-        self._resolution, self._carrier_cache = None, None
+        self._resolution, self._carrier_cache, self._last_gamma = None, None, None
         saved = global_entry(state_dict)
         if saved is None and self._num_params():
             step = step_from_params(state_dict)

@@ -614,8 +614,27 @@ def test_warmup_scales_step_t_by_t_over_warmup_steps(impl):
     assert no.FullFusion(make_model().parameters(), lr=1e-2).metrics()["fusion/gamma_curr"] == 1e-2
     for t in range(1, 6):
         train_steps(model, fusion, 1, seed=t)
-        m = fusion.metrics()  # γ = Polyak multiplier · lr · warmup
-        assert m["fusion/gamma_curr"] == pytest.approx(m["fusion/gamma_mult"] * 1e-2 * min(1.0, t / 4), rel=1e-12)
+        m = fusion.metrics()  # γ = Polyak multiplier · lr · warmup (an fp32 product on the device)
+        assert m["fusion/gamma_curr"] == pytest.approx(m["fusion/gamma_mult"] * 1e-2 * min(1.0, t / 4), rel=1e-6)
+
+
+def test_gamma_curr_is_the_last_steps_under_a_scheduler():
+    """With a scheduler stepped after step() (torch's order) the group's lr is already the next step's:
+    gamma_curr reported that lr times the last multiplier (half the step actually taken under StepLR(0.5), an
+    audit, 2026-11-26); it is the γ the last step took. After a load, before a step: the current lr again."""
+    model = make_model()
+    opt = no.SFNorMuon(model.parameters(), lr=1e-2, impl="foreach")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for t in range(1, 4):
+        used = opt.param_groups[0]["lr"]
+        train_steps(model, opt, 1, seed=t)  # (set_loss: the multiplier is not 1)
+        sched.step()
+        m = opt.metrics()
+        assert m["fusion/gamma_mult"] != 1.0
+        assert m["fusion/gamma_curr"] == pytest.approx(used * m["fusion/gamma_mult"], rel=1e-6)
+    opt.load_state_dict(opt.state_dict())
+    m = opt.metrics()
+    assert m["fusion/gamma_curr"] == pytest.approx(opt.param_groups[0]["lr"] * m["fusion/gamma_mult"], rel=1e-6)
 
 
 @pytest.mark.parametrize("cls,components,defaults,polyak", [

@@ -201,6 +201,22 @@ def test_off_policy_really_fails(info):
     assert not all_finite(model, opt)
 
 
+def test_fp64_loss_beyond_fp32_is_a_loss_event():
+    """A finite fp64 loss past fp32's range is dropped from the Polyak EMA (which folds it in fp32): that is
+    an Inf "loss" event, as the same value given as a Python float is — it was checked in fp64 and dropped
+    silently (an audit, 2026-11-26)."""
+    for value in (torch.tensor(1e39, dtype=torch.float64), 1e39):
+        model = make_model()
+        opt = no.SFNorMuon(model.parameters(), lr=1e-2)
+        train_steps(model, opt, 1)
+        ema = opt._global()["polyak"]["loss_ema"].clone()
+        loss_fn(model, make_batch(5)).backward()
+        opt.set_loss(value)
+        opt.step()
+        assert torch.equal(opt._global()["polyak"]["loss_ema"], ema)
+        assert [(e.stage, e.param, e.nan_count, e.inf_count) for e in opt.events] == [("loss", None, 0, 1)]
+
+
 @pytest.mark.parametrize("info", INFOS, ids=IDS)
 def test_nonfinite_loss_leaves_polyak_emas(info):
     model = make_model()
