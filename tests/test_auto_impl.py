@@ -83,6 +83,19 @@ def test_auto_is_foreach_without_the_native_library(info, monkeypatch):
 
 
 @pytest.mark.parametrize("info", [i for i in BASE if i.name in ("AdamW", "SFNorMuon")], ids=["AdamW", "SFNorMuon"])
+def test_auto_follows_nonans_fused_backend(info, monkeypatch):
+    """NONANS_FUSED_BACKEND names auto's fused backend on both paths: "triton" on a CPU without the
+    interpreter leaves foreach (the (SF-)AdamW path ran the native loop regardless until 2026-11-26), and a
+    bad value is refused on both (the (SF-)AdamW path took any)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
+    _assert_identical(_run(info, "foreach"), _run(info, None))
+    monkeypatch.setenv("NONANS_FUSED_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="NONANS_FUSED_BACKEND must be one of"):
+        _run(info, None)
+
+
+@pytest.mark.parametrize("info", [i for i in BASE if i.name in ("AdamW", "SFNorMuon")], ids=["AdamW", "SFNorMuon"])
 def test_auto_is_foreach_for_groups_the_native_loops_do_not_cover(info):
     """bf16 parameters on CPU: impl="fused" would compile (inductor); auto runs foreach, silently."""
     _assert_identical(_run(info, "foreach", dtype=torch.bfloat16), _run(info, None, dtype=torch.bfloat16))

@@ -25,7 +25,7 @@ from ._common import (commit_update, eager_guard, keep_flags, record_inf, record
                       take_snapshot)
 from ._compiled import compiled_scalar_update
 from ._fused import fused_scalar_update, native_scalar_update
-from ._fused_triton import triton_scalar_update
+from ._fused_triton import backend, triton_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
 
@@ -46,12 +46,15 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
     """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak).
 
     ``impl="auto"``: the native loop where it covers the group (contiguous fp32 CPU tensors and a C
-    compiler), the multi-tensor Triton kernels for a CUDA group (see :func:`._fused.auto_choice`), else
-    "foreach" — never torch.compile, which a default must not bring."""
+    compiler), the multi-tensor Triton kernels for a CUDA group (see :func:`._fused.auto_choice`) — or the
+    one ``NONANS_FUSED_BACKEND`` names, as on the spectral path (this path ignored it, and a bad value, until
+    2026-11-26) —, else "foreach": never torch.compile, which a default must not bring."""
     if impl == "auto":
-        if native_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c):
+        first = backend(params[0].device)
+        if first == "native" and native_scalar_update(params, grads, states, indices, group, ctx, sf=sf,
+                                                      gamma=gamma, c=c):
             return None
-        if params[0].is_cuda and triton_scalar_update(params, grads, states, indices, group, ctx, sf=sf,
+        if first == "triton" and triton_scalar_update(params, grads, states, indices, group, ctx, sf=sf,
                                                       gamma=gamma, c=c):
             return None
         grads, impl = eager_guard(grads, indices, ctx), "foreach"
