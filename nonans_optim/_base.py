@@ -222,9 +222,10 @@ class NonansOptimizer(Checkpointed, Optimizer):
     def set_loss(self, loss: torch.Tensor | float) -> None:
         """Give this step's loss (the Polyak input). Harmless for optimizers without a Polyak step.
 
-        Keeps the tensor on its device — no sync; a NaN/Inf loss is handled inside step() (where the
-        Polyak step uses it, the multiplier falls back to 1 and a "loss" event is recorded). The Polyak
-        ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real
+        Keeps the tensor on its device — no sync; a NaN/Inf loss is handled inside step(): where the
+        Polyak step uses it, the loss EMA keeps its value (the multiplier is the ratio of the EMAs as they
+        stand, so it does not fall back to 1 once a finite loss was seen) and a "loss" event is recorded.
+        The Polyak ratio assumes a loss ≥ 0: a negative loss EMA pins the multiplier at its 0.1 floor. Accepts a real
         number (numpy scalars included) or a one-element real tensor; a bool or complex value is refused
         here rather than at the step. Under data parallelism give the optimizer ``polyak_group`` and call
         this on every rank (:mod:`nonans_optim._distributed`); without it, it warns once there.
