@@ -458,8 +458,12 @@ class NonansOptimizer(Checkpointed, Optimizer):
             # first step (or after a load) the current lr, with warmup's factor at the current t (0 with
             # warmup before any step — nothing has moved yet — and 1 without)
             last = getattr(self, "_last_gamma", None)
-            out["fusion/gamma_curr"] = (float(last) if last is not None
-                                        else mult * float(g0["lr"]) * _warmup(g0, st["step"] if st else 0))
+            if last is None:  # rounded as _schedule rounds γ: a resumed run reports what the saved one did
+                wide = any(p.dtype is torch.float64 for p in g0["params"])
+                lr_t = float(g0["lr"]) * _warmup(g0, st["step"] if st else 0)
+                last = torch.tensor(lr_t, dtype=torch.float64 if wide else torch.float32)
+                last = last * pol["gamma_mult"].cpu() if pol is not None else last
+            out["fusion/gamma_curr"] = float(last)
         if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
             out.update(self._get_resolution().summary())
         elif self.resolution_policy != "off":
