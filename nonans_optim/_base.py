@@ -308,6 +308,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
         st = self._global()
         st["step"] += 1
         res = self._get_resolution(st["step"]) if self._policy != "off" else None
+        if res is not None and st["step"] - st.get("recorded_step", st["step"] - 1) > 1:
+            res.pass_clean_steps(st["step"] - st["recorded_step"] - 1)  # steps run under "off" since the last record
         ctx = {"step": st["step"], "resolution": res, "counts": [], "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
                "guard_in_kernel": False,
@@ -325,6 +327,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
         if res is not None and not ctx["recorded"]:
             res.record_step(st["step"], self._assemble_counts(ctx, res.num_params, res.tensors["scale"].device),
                             native=self.impl in ("fused", "auto"))
+        if res is not None:
+            st["recorded_step"] = st["step"]
         return loss
 
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:

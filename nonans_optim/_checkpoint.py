@@ -265,9 +265,10 @@ class Checkpointed:
         if st is None:
             device = self._first_param().device
             # logged_policy: the code of the policy in the last row of the counters' policy_log (-1: none),
-            # a host int beside the log so that deciding whether to log a change never reads the device
+            # a host int beside the log so that deciding whether to log a change never reads the device;
+            # recorded_step: the last step the counters recorded (the steps after it ran under "off")
             st = {"step": 0, "polyak": init_polyak(device), "train_mode": self._training, "loss_given": False,
-                  "logged_policy": -1}
+                  "logged_policy": -1, "recorded_step": 0}
             self.state[self._carrier()][GLOBAL_KEY] = st
         return st
 
@@ -322,6 +323,7 @@ class Checkpointed:
             # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
             # before the flag was stored tell it by a finite loss having been seen
             st.setdefault("loss_given", bool(st["polyak"]["loss_seen"]))
+            st.setdefault("recorded_step", st["step"])  # (saved before it was kept: no "off" stretch known)
 
     def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
         """The state a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor: then so are

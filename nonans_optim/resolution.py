@@ -224,6 +224,21 @@ class Resolution:
         """(P,) any of a (P, S) bool over the parameter's own stages (all but "loss")."""
         return (stage_flags & self._stage_mask(stage_flags.device)).any(-1)
 
+    def pass_clean_steps(self, steps: int) -> None:
+        """``steps`` optimizer steps ran without a record (under the "off" policy) since the last one: for the
+        repeat window and the regrowth they were clean steps, as they would have been recorded — the same
+        clean_streak and the same doublings of the scale (one per multiple of ``growth_interval`` the streak
+        passes; 2ᵏ is exact in fp32 and min(1, ·) of it is the per-step clamp). Without it an event 50 steps
+        after the last one, across an "off" stretch, counted as a repeat: held and escalated (an audit,
+        2026-11-26). In place, so pointers the kernels cached stay valid; torch ops, once per return to a
+        policy, so nothing runs on the steps under "off"."""
+        t = self.tensors
+        streak, interval = t["clean_streak"], self.growth_interval
+        doublings = (torch.div(streak + steps, interval, rounding_mode="floor")
+                     - torch.div(streak, interval, rounding_mode="floor"))
+        t["scale"].copy_(torch.clamp(t["scale"] * torch.exp2(doublings.to(torch.float32)), max=1.0))
+        streak.add_(steps)
+
     def record_step(self, step: int, step_counts: torch.Tensor, *, native: bool = False) -> None:
         """Fold one step's (P, S, 2) counts into the counters, the event ring and the escalation state.
 

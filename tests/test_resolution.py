@@ -580,6 +580,37 @@ def test_recent_is_an_own_stage_event_within_the_window():
     assert seen == [[False, False, False], [False, True, False], [False, True, False], [False, False, False]]
 
 
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_steps_under_off_count_as_clean_steps(impl):
+    """Steps run under "off" record nothing, but they are steps: an event 150 steps after the last one is
+    not a repeat, and the backed-off scale has grown back as over 150 clean "repair" steps. Until 2026-11-26
+    the window did not advance under "off": the event was held and escalated (an audit)."""
+    runs = []
+    for middle in ("repair", "off"):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 4))
+        opt = no.AdamW([w], lr=1e-2, impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(1, 160):
+            opt.resolution_policy = middle if 4 <= step <= 153 else "repair"
+            w.grad = torch.randn(4, 4, generator=gen)
+            if step in (1, 2, 154):  # a repeat (held, scale 0.5), then one 152 steps later
+                w.grad.fill_(float("nan"))
+            before = w.detach().clone()
+            opt.step()
+            if step == 154:
+                assert not torch.equal(w, before), middle  # a continuation step, not held
+        res = opt._global()["resolution"]
+        runs.append((w, res, [(e.step, e.action, e.escalated) for e in opt.events]))
+    (wa, ra, ea), (wb, rb, eb) = runs
+    assert ea == eb == [(1, "repaired", False), (2, "held", True), (154, "repaired", False)]
+    assert ra["scale"].item() == 1.0 and ra["scale"].item() == rb["scale"].item()  # grown back at step 102
+    assert torch.equal(ra["clean_streak"], rb["clean_streak"])
+    loaded = no.AdamW([torch.nn.Parameter(wb.detach().clone())], impl=impl)
+    loaded.load_state_dict(copy.deepcopy(opt.state_dict()))  # the last recorded step travels too
+    assert loaded._global()["recorded_step"] == 159
+
+
 def test_event_ring_keeps_the_oldest_event_until_a_clean_step_takes_its_slot():
     """The ring's free slot (``ring_ptr % K``) still holds the oldest event step while no clean step has
     overwritten it: with K slots, the last K event steps are reported until a clean step, then K - 1 (the
