@@ -308,7 +308,7 @@ class Checkpointed:
 
     def _finish_load(self, state_dict: dict[str, Any]) -> None:
         """After torch's part of a load: buffer dtypes, and the optimizer-level state as saved."""
-        self._restore_buffer_dtypes(state_dict)
+        self._restore_state_dtypes(state_dict)
         self._resolution, self._carrier_cache, self._last_gamma = None, None, None
         saved = global_entry(state_dict)
         if saved is None and self._num_params():
@@ -345,23 +345,30 @@ class Checkpointed:
         if legacy is not None and self._num_params():
             self.state[self._carrier()][GLOBAL_KEY] = legacy_global(legacy)
 
-    def _restore_buffer_dtypes(self, state_dict: dict[str, Any]) -> None:
-        """torch casts every floating state tensor to its parameter's dtype on load; a momentum buffer is
-        then put in the dtype this optimizer keeps it in for that parameter (:meth:`_buffer_dtype`, from the
-        loaded group's ``momentum_dtype``) — narrower on purpose (Fusion's "bf16") is an exact round trip
-        (bf16 → fp32 → bf16), so a resumed run stays bit-identical; "param" follows the parameter, so a
-        checkpoint of a bf16 model resumed on an fp32 copy gets fp32 momentum, as every other state tensor
-        does, not the saved bf16 for good."""
+    def _restore_state_dtypes(self, state_dict: dict[str, Any]) -> None:
+        """torch casts every floating state tensor to its parameter's dtype on load; each is put back in the
+        dtype this optimizer keeps it in — the one a step creates (:meth:`_expected_state`) — from the
+        checkpoint's own tensor, not from torch's cast. Until 2026-11-26 only the momentum buffer was: the
+        fp32 NorMuon row moment and KL-Shampoo factors of a bf16, fp16 or fp64 model came back in the
+        parameter's dtype (16 bits lost for bf16) and the first step after the resume raised on the mixed
+        dtypes (an audit). The momentum buffer's dtype is :meth:`_buffer_dtype`'s, from the loaded group's
+        ``momentum_dtype`` (Fusion's "bf16" is narrower on purpose; "param" follows the parameter, so a
+        bf16 model's checkpoint resumed on an fp32 copy gets fp32 momentum, not the saved bf16 for good)."""
         params = self._all_params()
         groups = [g for g in self.param_groups for _ in g["params"]]
         positions = [j for g in self.param_groups for j in range(len(g["params"]))]
         for pid, p, group, j in zip(_ids(state_dict), params, groups, positions):
-            st = self.state.get(p)
-            if st is None or "momentum_buffer" not in state_dict["state"].get(pid, {}):
+            st, saved = self.state.get(p), state_dict["state"].get(pid)
+            if not st or not isinstance(saved, dict) or needs_init(st):
                 continue
-            want = self._buffer_dtype(group, j, p)
-            if want is not None and st["momentum_buffer"].dtype != want:
-                st["momentum_buffer"] = st["momentum_buffer"].to(want)
+            wants = {k: v.dtype for k, v in self._expected_state(group, j, torch.empty_like(p, device="meta")).items()
+                     if isinstance(v, torch.Tensor) and k != "step"}
+            if "momentum_buffer" in wants:  # (its "auto" dtype depends on the device, which a meta tensor lacks)
+                wants["momentum_buffer"] = self._buffer_dtype(group, j, p) or p.dtype
+            for key, want in wants.items():
+                got, orig = st.get(key), saved.get(key)
+                if isinstance(got, torch.Tensor) and got.dtype != want and isinstance(orig, torch.Tensor):
+                    st[key] = orig.to(device=got.device, dtype=want, copy=True)  # (never the caller's tensor)
 
     def _buffer_dtype(self, group: dict[str, Any], j: int, p: torch.Tensor) -> torch.dtype | None:
         """The dtype of parameter ``j``'s momentum buffer in ``group`` (None: none kept, or torch's cast to

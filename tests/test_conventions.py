@@ -595,6 +595,35 @@ def test_momentum_dtype_param_follows_the_loading_parameters(saved_dtype):
     assert all(opt2.state[q]["momentum_buffer"].dtype == torch.float32 for q in matrices)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
+def test_resume_of_a_16_or_64_bit_model_continues_exactly(cls, dtype):
+    """State a step keeps in fp32 whatever the parameter's dtype — NorMuon's row moment, KL-Shampoo's
+    factors — is put back in fp32 after torch's load cast it to the parameter's dtype: the first step after
+    a resume raised on a bf16, fp16 or fp64 model (mixed dtypes; an audit, 2026-11-26). Now the resumed
+    run is the uninterrupted one, bit for bit."""
+    def run(resume: bool):
+        model = Wide(5).to(dtype)
+        opt = cls(model.parameters(), shampoo_refresh_every=2) if cls is no.FullFusion else cls(model.parameters())
+        _steps(model, opt, 2)
+        if resume:
+            saved = copy.deepcopy(opt.state_dict())
+            kept = copy.deepcopy(saved)
+            opt = type(opt)(model.parameters(), **({"shampoo_refresh_every": 2} if cls is no.FullFusion else {}))
+            opt.load_state_dict(saved)
+            for pid, st in opt.state_dict()["state"].items():
+                for key, val in st.items():
+                    if isinstance(val, torch.Tensor):
+                        assert val.dtype == kept["state"][pid][key].dtype, key
+        _steps(model, opt, 2, seed=1)
+        return model, opt
+    (a, oa), (b, ob) = run(False), run(True)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert all(torch.equal(oa.state[p][k], ob.state[q][k]) for p, q in zip(a.parameters(), b.parameters())
+               for k in oa.state[p] if isinstance(oa.state[p][k], torch.Tensor))
+
+
 def test_momentum_dtype_bf16_survives_a_load_exactly():
     """momentum_dtype="bf16" on fp32 parameters: torch's cast to fp32 on load is undone, bit for bit."""
     model = Wide(5)
