@@ -100,14 +100,18 @@ def test_shampoo_groups_run_foreach():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_clean_skip_and_repair_steps_equal_off(dtype):
-    """The contract on clean steps, for the compiled graphs: "skip" and "repair" leave what "off" leaves,
-    bit for bit, at the default bf16 NS5 and on bf16 parameters. "skip" ran foreach until 2026-11-26, whose
-    NS5 normalisation differs from the graphs' in the last bit: 0.016 apart on a bf16 parameter."""
+def test_clean_skip_steps_equal_repair_and_off_to_rounding(dtype):
+    """On clean steps "skip" leaves exactly what "repair" leaves (the same graphs; its restore selects
+    nothing), at the default bf16 NS5 and on bf16 parameters. "skip" ran foreach until 2026-11-26, whose NS5
+    normalisation differs from the graphs' in the last bit: 0.016 from "off" on a bf16 parameter in three
+    steps. Against "off" the compiled path is equal to rounding only, not bit for bit: inductor may
+    vectorise a norm's reduction in one graph and not in the other (a 4096x3 matrix: the "off" graph sums
+    the NorMuon-weighted norm in one scalar loop, the gated one in 16 lanes), so the sums differ in the
+    last bit (README, impl="compiled")."""
     runs = {}
     for policy in ("off", "skip", "repair"):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in [(8, 6), (6, 6), (8, 6)]]
+        ps = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in [(8, 6), (6, 6), (8, 6), (300, 3)]]
         opt = no.SFNorMuon([{"params": ps, "path": "spectral"}], lr=2e-2, impl="compiled", resolution=policy)
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -115,14 +119,15 @@ def test_clean_skip_and_repair_steps_equal_off(dtype):
                 p.grad = torch.randn(p.shape, generator=gen).to(dtype)
             opt.step()
         runs[policy] = (ps, opt)
-    ps_off, opt_off = runs["off"]
-    for policy in ("skip", "repair"):
-        ps, opt = runs[policy]
-        assert all(torch.equal(p, q) for p, q in zip(ps, ps_off)), policy
-        for p, q in zip(ps, ps_off):
-            assert all(torch.equal(opt.state[p][k], opt_off.state[q][k]) for k in ("momentum_buffer", "z",
-                                                                                   "normuon_row_sq")), policy
-        assert opt.metrics()["resolution/events_total"] == 0.0
+    keys = ("momentum_buffer", "z", "normuon_row_sq")
+    (ps_r, opt_r), (ps_s, opt_s), (ps_o, _) = runs["repair"], runs["skip"], runs["off"]
+    for p, q in zip(ps_s, ps_r):
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt_s.state[p][k], opt_r.state[q][k]) for k in keys)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype is torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    for p, q in zip(ps_o, ps_r):
+        torch.testing.assert_close(q, p, **tol)
+    assert opt_s.metrics()["resolution/events_total"] == opt_r.metrics()["resolution/events_total"] == 0.0
 
 
 def test_steps_and_lr_schedule_do_not_recompile():

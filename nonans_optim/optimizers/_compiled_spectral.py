@@ -22,6 +22,13 @@ parameters and state and a whole-tensor restore where the gradient had a non-fin
 does): it used to run foreach, whose normalisation differs from the graphs' in the last bit, so a clean
 "skip" step differed from a clean "off" step of the same ``impl`` (1 ulp in fp32, 0.016 on a bf16
 parameter in four steps), which the resolution contract forbids.
+
+Known limit (an audit, 2026-11-26): against ``"off"`` the gated graphs are equal to rounding, not bit for
+bit. The two are different graphs, and inductor decides per graph how to loop a reduction: on a 4096x3
+matrix the "off" graph sums the NorMuon-weighted norm in one scalar loop, the gated one in 16 vector
+lanes, so the sums differ in the last bit (fp32 5.96e-8 on the parameter after four steps, bf16 3e-5 with
+two matrices in a bucket). Pinning the order would mean an eager reduction between two graphs or a
+pairwise tree; the other implementations are exact, and this one is not the default anywhere.
 """
 from __future__ import annotations
 
