@@ -23,7 +23,11 @@ chain, which is how the optimizers call it (one NS5 per shape bucket, not per pa
 Backends: ``"torch"`` (this file, the reference and the test oracle of every kernel), ``"triton"``
 (``nonans_optim.kernels``, CUDA only), ``"auto"`` (Triton on CUDA for matrices whose short side is at least
 :data:`TRITON_MIN_DIM` — the crossover measured by ``python -m experiments kernels`` on an H100; set
-``NONANS_NS5_TRITON_MIN_DIM`` to your GPU's — and torch otherwise). ``NONANS_NS5_BACKEND`` overrides ``"auto"``.
+``NONANS_NS5_TRITON_MIN_DIM`` to your GPU's — and torch otherwise). ``NONANS_NS5_BACKEND`` overrides ``"auto"``
+(an empty value is unset, as for every variable here) wherever :func:`ns5` runs: in ``no.ns5`` and in the
+optimizers' ``impl="loop"``/``"foreach"`` steps, where ``triton`` on a CPU tensor is refused as the argument
+is. ``impl="fused"``/``"compiled"`` (and ``"auto"``'s fused path) normalise the momentum inside their own
+kernels and call :func:`iterate`, the torch iteration, so neither variable reaches them.
 
 Methods: ``"standard"`` (the iteration above), ``"gram"`` (``nonans_optim.ns5_gram``: the same polynomial
 iterated on the s×s Gram matrix, with a restart every two steps; fewer FLOPs for wide matrices), ``"auto"``
@@ -175,12 +179,12 @@ def _resolve_backend(backend: str, device: torch.device, shape: tuple[int, ...])
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
-        backend = os.environ.get("NONANS_NS5_BACKEND", "auto")
+        backend = os.environ.get("NONANS_NS5_BACKEND") or "auto"
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"NONANS_NS5_BACKEND must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
         # Triton only where it has been measured to win (TRITON_MIN_DIM, or the user's own measurement)
-        raw = os.environ.get("NONANS_NS5_TRITON_MIN_DIM", str(TRITON_MIN_DIM))
+        raw = os.environ.get("NONANS_NS5_TRITON_MIN_DIM") or str(TRITON_MIN_DIM)
         if not raw.strip().isdigit():
             raise ValueError(f"NONANS_NS5_TRITON_MIN_DIM must be a non-negative integer, got {raw!r}")
         min_dim = int(raw)
@@ -205,7 +209,7 @@ def _resolve_method(method: str, requested_backend: str, backend: str, shape: tu
     which only overrides ``"auto"``) never leaves the Triton kernel."""
     _check_method(method, requested_backend)
     if method == "auto":
-        method = os.environ.get("NONANS_NS5_METHOD", "auto")
+        method = os.environ.get("NONANS_NS5_METHOD") or "auto"
         if method not in _METHODS:
             raise ValueError(f"NONANS_NS5_METHOD must be 'auto', 'standard' or 'gram', got {method!r}")
         if backend == "triton":

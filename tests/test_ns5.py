@@ -412,6 +412,22 @@ def test_auto_backend_takes_triton_from_the_measured_crossover(monkeypatch):
         _resolve_backend("auto", cuda, (512, 512))
 
 
+def test_empty_environment_variables_are_unset(monkeypatch):
+    """`NONANS_NS5_BACKEND=` (a variable cleared in a launcher script) means unset, as for the other
+    variables here; it raised "must be 'auto', 'torch' or 'triton', got ''" in no.ns5 and in every
+    loop/foreach spectral step (an audit, 2026-11-26)."""
+    G = torch.randn(6, 9)
+    ref = ns5(G)
+    for var in ("NONANS_NS5_BACKEND", "NONANS_NS5_METHOD", "NONANS_NS5_TRITON_MIN_DIM"):
+        monkeypatch.setenv(var, "")
+    assert torch.equal(ns5(G), ref)
+    from nonans_optim import SFNorMuon
+    p = torch.nn.Parameter(torch.randn(6, 9))
+    p.grad = torch.randn(6, 9)
+    SFNorMuon([p], impl="foreach").step()
+    assert torch.isfinite(p).all()
+
+
 # --------------------------------------------------------------------------- independent float64 oracle
 def ns_oracle(G: np.ndarray, coefficients) -> np.ndarray:
     """The quintic iteration written out in float64 numpy on G / ‖G‖_F, one matrix at a time, on the
