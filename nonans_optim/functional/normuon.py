@@ -30,11 +30,19 @@ from ..ns5 import normalise
 
 __all__ = ["normuon", "row_moment", "rms_match", "RMS_TARGET"]
 
-RMS_TARGET = 0.2  # Moonlight's "match AdamW RMS" (MoonshotAI/Moonlight examples/toy_train.py)
+# the 0.2 of Moonlight's "match AdamW RMS" (MoonshotAI/Moonlight examples/toy_train.py), applied as NorMuon's
+# exact renormalisation (rms_match), not as Moonlight's fixed factor 0.2·sqrt(max(m, n))
+RMS_TARGET = 0.2
 
 
 def rms_match(O: torch.Tensor, target: float = RMS_TARGET, *, bounded: bool = False) -> torch.Tensor:
     """Scale each matrix of O (..., m, n) to update RMS ``target``; zero stays zero.
+
+    This is not Moonlight's rule, 0.2·sqrt(max(m, n))·O, though both come from its 0.2: the two agree when
+    NS5's output is full rank (every singular value near 1, so ‖O‖_F ≈ sqrt(min(m, n))), and for low-rank
+    momentum (few non-zero singular values, small ‖O‖_F) this one steps harder — RMS exactly 0.2 where
+    Moonlight's falls with the rank (an audit, 2026-11-26, measured 11x at rank 1 on 64x256). The Muon
+    preset uses it too, so one lr serves every path whatever the momentum's rank.
 
     RMS matching is scale invariant (U = target·sqrt(mn)·O/‖O‖_F), so the norm is taken of O divided by a
     power of two near its max-abs entry: the fp32 sum of squares of a finite O then never overflows (it

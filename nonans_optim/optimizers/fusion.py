@@ -3,7 +3,9 @@
 ``components`` ⊆ {"ns5", "normuon", "sf", "mona", "shampoo"} selects the stages of the spectral path
 (:mod:`._spectral`); parameters routed to the scalar path (:mod:`nonans_optim.routing`) take AdamW, or
 schedule-free AdamW when "sf" is in the components. One ``lr`` and one ``weight_decay`` serve both paths
-because spectral updates are RMS-matched to 0.2 (Moonlight's AdamW matching).
+because spectral updates are RMS-matched to exactly 0.2 (Moonlight's AdamW-matching target, applied as
+NorMuon's renormalisation: :func:`nonans_optim.functional.normuon.rms_match` says where it departs from
+Moonlight's fixed factor).
 
 Polyak step (``polyak=True``, active once :meth:`set_loss` has been called): γ = lr · clamp(L̄/Ḡ, 0.1, 10)
 for every parameter, with FusionOpt's EMAs (:mod:`nonans_optim.functional.polyak`). Without a loss the
