@@ -41,8 +41,8 @@ def rms_match(O: torch.Tensor, target: float = RMS_TARGET, *, bounded: bool = Fa
     This is not Moonlight's rule, 0.2·sqrt(max(m, n))·O, though both come from its 0.2: the two agree when
     NS5's output is full rank (every singular value near 1, so ‖O‖_F ≈ sqrt(min(m, n))), and for low-rank
     momentum (few non-zero singular values, small ‖O‖_F) this one steps harder — RMS exactly 0.2 where
-    Moonlight's falls with the rank (an audit, 2026-11-26, measured 11x at rank 1 on 64x256). The Muon
-    preset uses it too, so one lr serves every path whatever the momentum's rank.
+    Moonlight's falls with the rank, by about sqrt(rank / min(m, n)). The Muon preset uses it too, so one lr
+    serves every path whatever the momentum's rank.
 
     RMS matching is scale invariant (U = target·sqrt(mn)·O/‖O‖_F), so the norm is taken of O divided by a
     power of two near its max-abs entry: the fp32 sum of squares of a finite O then never overflows (it
