@@ -2,6 +2,8 @@
 host syncs and leaves the model unchanged."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -417,3 +419,89 @@ def test_a_bad_gradient_from_a_child_is_named_before_the_parents_own_parameter()
         rep = w.report()
     assert not torch.isfinite(model.gain.grad).all()
     assert rep["backward"]["module"] == "sqrt" and rep["backward"]["where"] == "grad_input"
+
+
+class CausalLM(nn.Module):
+    """torch's own encoder with its own float causal mask (-Inf above the diagonal), as tutorials write it."""
+
+    def __init__(self, T: int = 5, D: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.T = T
+        layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(self.T)
+        return self.head(self.enc(x, mask=mask, is_causal=True))
+
+
+def test_infs_false_ignores_a_float_attention_mask_and_still_names_the_nan():
+    """A -Inf mask is non-finite by design: under the default it is the first event of a clean step, and
+    only the first is kept, so a real NaN went unreported (an audit, 2026-11-26). With ``infs=False`` only
+    NaN counts: a clean step reports nothing and a NaN made in the second layer is named there."""
+    model, x = CausalLM(), torch.randn(2, 5, 8)
+    with watch(model) as w:
+        model(x).sum().backward()
+        assert w.report()["forward"]["where"] == "input"  # the mask, documented: infs=True counts -Inf
+    with watch(model, infs=False) as w:
+        model(x).sum().backward()
+        assert w.report() == {"forward": None, "backward": None}
+        w.reset()
+        with torch.no_grad():
+            model.enc.layers[1].linear2.weight[0, 0] = float("nan")
+        model(x).sum().backward()
+        assert w.report()["forward"]["module"] == "enc.layers.1.linear2"
+
+
+def test_nan_only_check_on_complex_empty_and_inf_tensors():
+    class Out(nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def forward(self, x):
+            return {"inf": x * float("inf"), "empty": x[:0], "c": torch.complex(x, x * self.value)}
+
+    for value, expected in ((1.0, None), (float("nan"), "1")):
+        model = nn.Sequential(nn.Linear(3, 3), Out(value))
+        with watch(model, infs=False) as w:
+            model(torch.randn(2, 3))
+            got = w.first_nonfinite()
+            assert (got["module"] if got else None) == expected
+
+
+@dataclasses.dataclass
+class Pair:
+    logits: torch.Tensor
+    aux: torch.Tensor | None = None
+
+
+class DataclassOut(nn.Module):
+    def forward(self, x):
+        return Pair(x, torch.log(-x.abs() - 1))
+
+
+class Float8Out(nn.Module):
+    def forward(self, x):
+        return (x * float("inf")).to(torch.float8_e5m2)
+
+
+def test_dataclass_float8_and_meta_outputs():
+    """Audit, 2026-11-26: a NaN inside a dataclass output was blamed on the module that received it; a
+    float8 output raised inside the hook (no subtraction for float8 on CPU), breaking the model's forward;
+    a model on the meta device raised when the result was read."""
+    model = nn.Sequential(nn.Linear(3, 3), DataclassOut())
+    with watch(model) as w:
+        model(torch.randn(2, 3))
+        assert (w.first_nonfinite()["module"], w.first_nonfinite()["where"]) == ("1", "output")
+    model = nn.Sequential(nn.Linear(3, 3), Float8Out())
+    with watch(model) as w:
+        model(torch.randn(2, 3))
+        assert w.first_nonfinite()["module"] == "1"
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with watch(meta) as w:
+        meta(torch.randn(2, 3, device="meta")).sum()
+        assert w.report() == {"forward": None, "backward": None}
