@@ -8,7 +8,14 @@
 
 Events are sent as a ``wandb.Table`` only when new ones appeared since the last call. ``optimizer.events``
 keeps the last 63 steps that had events, so log at least that often to see every one; the counts in
-``metrics()`` are complete either way.
+``metrics()`` are complete either way. Which events were sent is remembered per optimizer object in this
+process: a new optimizer that loads a checkpoint (a resumed job) or a ``copy.deepcopy`` sends the events its
+history still holds once more.
+
+Several optimizers in one run (a GAN's two, an encoder's and a decoder's) log the same keys: give each a
+``prefix`` (``log_optimizer(opt_g, prefix="generator")`` logs ``generator/resolution/events_total``...), or
+the last call of a step overwrites the others. ``step`` follows wandb's rule: a step below the run's current
+one is dropped by wandb with a warning, so pass the step your other ``wandb.log`` calls use, or none.
 """
 from __future__ import annotations
 
@@ -24,10 +31,14 @@ __all__ = ["log_optimizer"]
 _SENT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
-def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events: bool = True) -> dict:
-    """Log ``optimizer.metrics()`` (and new SingularityEvents) to ``run`` (default: ``wandb.run``).
+def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events: bool = True,
+                  prefix: str = "") -> dict:
+    """Log ``optimizer.metrics()`` (and new SingularityEvents) to ``run`` (default: ``wandb.run``), each key
+    under ``prefix + "/"`` when a prefix is given (module docstring: several optimizers in one run).
 
     Returns the dict that was logged. Raises ImportError with the install hint when wandb is missing."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
     try:
         import wandb
     except ImportError as exc:  # pragma: no cover - exercised only without wandb
@@ -46,5 +57,8 @@ def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events
             cols = [f.name for f in dataclasses.fields(new[0])]
             payload["resolution/events"] = wandb.Table(
                 columns=cols, data=[[getattr(e, c) for c in cols] for e in new])
+    head = prefix.rstrip("/")
+    if head:
+        payload = {f"{head}/{key}": value for key, value in payload.items()}
     run.log(payload, step=step)
     return payload
