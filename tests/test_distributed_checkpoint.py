@@ -277,7 +277,10 @@ def test_an_optimizer_pickled_with_the_old_layout_unpickles_into_the_new(name):
     assert GLOBAL_KEY not in opt.state and GLOBAL_KEY in opt.state_dict()["state"][0]
     params = opt.param_groups[0]["params"]
     assert legacy.summary(torch.nn.ParameterList(params), opt)["events"] == case["at_save"]["events"]
-    assert opt.metrics() == case["at_save"]["metrics"]
+    got, saved = opt.metrics(), dict(case["at_save"]["metrics"])
+    if "fusion/gamma_curr" in saved:  # the old code multiplied in double; γ is now rounded as a step rounds it
+        assert got.pop("fusion/gamma_curr") == pytest.approx(saved.pop("fusion/gamma_curr"), rel=1e-6)
+    assert got == saved
     if legacy.CASES[name].get("eval_at_save"):
         opt.train()
     legacy.run(torch.nn.ParameterList(params), opt, range(4, 7))
