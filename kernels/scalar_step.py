@@ -153,7 +153,8 @@ def _decide_kernel(SS, BAD, FIRST, NUMEL, SEL, EMA, RECENT, STREAK, EVENTS, DEC,
         # (the divisor replaced where the guard does not fire: a zero norm would divide by zero)
         scale = tl.where(trig, tl.maximum(cap64 / tl.where(trig, norm, 1.0), _TINY).to(tl.float32), 1.0)
         observed = tl.where(trig, cap, norm.to(tl.float32))
-        fits = fin & _finite(observed) & (nbad == 0)  # only a complete gradient updates the EMA
+        # only a complete gradient updates the EMA, and only a non-zero one (spike_scale)
+        fits = fin & _finite(observed) & (nbad == 0) & (observed > 0.0)
         new_ema = tl.where(fits, tl.where(seeded, ema * beta + (1.0 - beta) * observed, observed), ema)
     hold = nbad < 0  # False
     keep_all = nbad < 0

@@ -116,6 +116,28 @@ def case_kernel_matches_oracle(device, sf, policy, factor, dtype):
         assert torch.equal(got[0][3], case[0][3])
 
 
+def case_zero_gradient_leaves_the_guard_ema(device):
+    """An all-zero gradient (an MoE expert no token reached, under zero_grad(set_to_none=False)) is no
+    observation of the norm: the EMA keeps its value, in the kernel as in functional/spike.py. It decayed
+    by β per step before, so the first ordinary gradient after a long stretch of zeros "spiked" (an audit,
+    2026-11-26). A non-zero gradient still moves it."""
+    from nonans_optim.kernels.scalar_step import scalar_step_, scalar_step_reference_
+
+    n = 300
+    sel, bcs = torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([[0.1, 0.01]], device=device)
+    hp, gamma = torch.tensor(HP, dtype=torch.float32, device=device), torch.tensor(1e-2, device=device)
+    for grad, moved in ((torch.zeros(n), False), (torch.full((n,), 0.05), True)):
+        emas = []
+        for fn in (scalar_step_, scalar_step_reference_):
+            p, m, v = (torch.zeros(n, device=device) for _ in range(3))
+            r = _one_param_res(device, ema=2.0)
+            fn([p], [grad.to(device)], [m], [v], [None], gamma, r, sel, bcs, hp, sf=False, policy="repair",
+               decay_z=False, factor=10.0)
+            emas.append(r[2].cpu())
+        assert torch.equal(emas[0], emas[1])
+        assert (emas[0].item() != 2.0) == moved
+
+
 def case_guard_scale_floor(device, sf):
     """A spike so far over a tiny running norm that cap / norm is below fp32's range: the guard's scale is
     clamped at 2^-149 (functional/spike.py's TINY), not rounded to 0 — a 0 scale would zero the gradient,
@@ -503,6 +525,10 @@ def _define(device, marks=()):
         case_lazy_decisions_read_only_what_can_be_held(device)
 
     @mark
+    def test_zero_gradient_leaves_the_guard_ema():
+        case_zero_gradient_leaves_the_guard_ema(device)
+
+    @mark
     def test_unaligned_views():
         case_unaligned_views(device)
 
@@ -547,7 +573,8 @@ def _define(device, marks=()):
     return (test_kernel_matches_oracle, test_unaligned_views, test_optimizer_matches_loop, test_clean_repair_is_off,
             test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
             test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held, test_guard_scale_floor,
-            test_z_overflow_alone, test_one_launch_matches_loop, test_one_launch_failure_falls_back)
+            test_z_overflow_alone, test_one_launch_matches_loop, test_one_launch_failure_falls_back,
+            test_zero_gradient_leaves_the_guard_ema)
 
 
 # ops that launch nothing on a GPU (allocation, views, metadata)
@@ -662,7 +689,7 @@ if INTERPRETED:
      test_launch_failure_falls_back, test_fp16_overflow_as_stored, test_skip_holds_as_the_loop_does,
      test_recent_from_the_counters, test_lazy_decisions_read_only_what_can_be_held,
      test_guard_scale_floor, test_z_overflow_alone, test_one_launch_matches_loop,
-     test_one_launch_failure_falls_back) = _define("cpu")
+     test_one_launch_failure_falls_back, test_zero_gradient_leaves_the_guard_ema) = _define("cpu")
 else:
     def test_interpreter_suite():
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
@@ -710,7 +737,8 @@ else:
      test_gpu_fp16_overflow_as_stored, test_gpu_skip_holds_as_the_loop_does,
      test_gpu_recent_from_the_counters, test_gpu_lazy_decisions_read_only_what_can_be_held,
      test_gpu_guard_scale_floor, test_gpu_z_overflow_alone, test_gpu_one_launch_matches_loop,
-     test_gpu_one_launch_failure_falls_back) = _define("cuda", marks=gpu)
+     test_gpu_one_launch_failure_falls_back, test_gpu_zero_gradient_leaves_the_guard_ema) = _define("cuda",
+                                                                                                 marks=gpu)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

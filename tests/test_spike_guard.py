@@ -208,3 +208,21 @@ def test_every_impl_guards_a_spike_beside_a_nan(cls, kw, impl):
         for v in opt.state[p].values():
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 assert v.abs().max() < 1e6
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "compiled", "fused"])
+@pytest.mark.parametrize("cls, kw", GUARDED, ids=[c.__name__ for c, _ in GUARDED])
+def test_every_impl_ignores_all_zero_gradients_in_the_guard(cls, kw, impl):
+    """An MoE expert or layer that gets all-zero gradients for a while (zero_grad(set_to_none=False)) and
+    then ordinary ones again: no spike. The zeros used to enter the norm EMA, which decayed by 0.9 per step,
+    so after 100 of them an ordinary gradient was a "spike" at factor 10 — 26 spikes and the step size
+    escalated to 2^-9 in an audit's run (2026-11-26); None gradients over the same stretch gave none."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    opt = cls([w], lr=1e-2, impl=impl, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(60):
+        w.grad = torch.zeros(8, 6) if 10 <= step < 50 else torch.randn(8, 6, generator=gen)
+        opt.step()
+    assert opt.metrics()["resolution/events_total"] == 0.0
+    assert opt._global()["resolution"]["grad_norm_ema"].item() > 1.0  # still the ordinary norm (~6.9)

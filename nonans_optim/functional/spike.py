@@ -64,7 +64,11 @@ def spike_scale(norms: torch.Tensor, ema: torch.Tensor, factor: float, *, comple
     The comparison and cap/‖g‖ are float64 (a norm above FLT_MAX still triggers, with a finite scale); the
     EMA arithmetic stays fp32, and a value that is not finite in fp32 never enters it. ``norms``: of each
     gradient's finite entries; ``complete``: (n,) bool, the gradient had no non-finite entry (None: all
-    had none) — only those update the EMA."""
+    had none) — only those update the EMA, and only with a non-zero norm: an all-zero gradient (an MoE
+    expert no token reached, a layer skipped, under ``zero_grad(set_to_none=False)``) says nothing about
+    the gradient's scale, and letting it in decayed the EMA by β per step, so the first ordinary gradient
+    after 100 such steps "spiked" at 10x and kept escalating: 26 spike events and the step size at 2⁻⁹ on
+    an audit's run (2026-11-26), where None gradients over the same stretch gave none."""
     norms = norms.double()
     finite = norms.abs() < float("inf")
     seeded = ema > 0
@@ -73,7 +77,7 @@ def spike_scale(norms: torch.Tensor, ema: torch.Tensor, factor: float, *, comple
     trigger = finite & seeded & (norms > cap64)
     scale = torch.where(trigger, torch.clamp(cap64 / norms, min=TINY).float(), torch.ones_like(ema))
     observed = torch.where(trigger, cap, norms.float())
-    fits = finite & (observed.abs() < float("inf"))
+    fits = finite & (observed.abs() < float("inf")) & (observed > 0)  # a zero gradient is no observation
     if complete is not None:
         fits = fits & complete
     new_ema = torch.where(fits, torch.where(seeded, ema * beta + (1 - beta) * observed, observed), ema)

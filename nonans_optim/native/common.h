@@ -31,7 +31,8 @@ static inline float spike_(double norm, int complete, float ema, float factor, f
     const float cap = factor * ema;
     const int t = fin && seeded && norm > (double)cap;
     const float observed = t ? cap : (float)norm;
-    *new_ema = complete && fin && finitef_(observed) ? (seeded ? ema * beta + one_m_beta * observed : observed) : ema;
+    *new_ema = complete && fin && finitef_(observed) && observed > 0.0f
+                   ? (seeded ? ema * beta + one_m_beta * observed : observed) : ema; /* not a zero g (spike.py) */
     *trig = t;
     return t ? (float)fmax((double)cap / norm, 0x1p-149) : 1.0f;
 }
