@@ -306,6 +306,8 @@ class Resolution:
         if hit is not None and hit.generation == self.generation and hit.indices == indices:
             return hit
         sel = device_indices(indices, self.tensors["scale"].device)
+        if len(self._native_args) > 256:  # a bound, for a run whose gradient patterns keep changing (MoE)
+            self._native_args.clear()
         args = self._native_args[key] = NativeArgs(self, list(indices), sel)
         return args
 
