@@ -48,7 +48,7 @@ from ._compiled import (compile_available, compiled, count, guard_spikes, host_s
 
 __all__ = ["compiled_spectral_update", "supports"]
 
-def supports(comps: frozenset[str], policy: str, group: dict[str, Any], params: list[torch.Tensor]) -> bool:
+def supports(comps: frozenset[str], group: dict[str, Any], params: list[torch.Tensor]) -> bool:
     """Whether this compiled path covers a group (else the caller runs the foreach path): no KL-Shampoo,
     no fp16_safe NS5 (its rescaled coefficients live in ns5()), contiguous parameters (the graphs work on
     matrix views of them). Every policy."""
@@ -242,7 +242,7 @@ def compiled_spectral_update(params: list[torch.Tensor], grads: list[torch.Tenso
     """Run the group's spectral step compiled; False (nothing changed) when it cannot, and the caller
     then runs the foreach path."""
     policy = "off" if ctx["resolution"] is None else ctx["resolution"].policy
-    if not supports(comps, policy, group, params):
+    if not supports(comps, group, params):
         return False
     gate = policy != "off"
     device = params[0].device
