@@ -414,6 +414,15 @@ class NonansOptimizer(Checkpointed, Optimizer):
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def _idle_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
+        """A group none of whose parameters has a gradient this step: its schedule-free weight sum still
+        advances, as every group's does on every step (``schedulefree``'s reference adds each step's weight
+        to the group's sum before it looks at the gradients). It advanced only on steps with a gradient, so
+        a parameter's average x depended on which group it sat in — 0.083 apart on an audit's run
+        (2026-11-26), a parameter without gradients for five steps in its own group vs in a shared one."""
+        if "sf_weight_sum" in group:
+            self._schedule(group, ctx)
+
     def _assemble_counts(self, ctx: dict[str, Any], P: int, device: torch.device) -> torch.Tensor:
         """(P, S, 2) int64 counts of this step: what the eager paths recorded (``_common.assemble_counts``),
         plus the dense block the compiled kernels accumulated (``ctx["dense"]``)."""

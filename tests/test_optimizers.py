@@ -670,3 +670,26 @@ def test_fusion_defaults():
     assert opt.components == frozenset({"ns5", "mona"}) and not opt._schedule_free and opt._uses_polyak
     assert (opt.defaults["momentum"], opt.defaults["nesterov"], opt.defaults["weight_decay"],
             opt.defaults["lr"], opt.spike_factor) == (0.95, True, 0.01, 1e-3, 10.0)
+
+
+@pytest.mark.parametrize("impl", ["loop", "auto"])
+@pytest.mark.parametrize("cls", [no.SFAdamW, no.SFNorMuon], ids=["SFAdamW", "SFNorMuon"])
+def test_schedule_free_average_does_not_depend_on_the_grouping(cls, impl):
+    """A parameter without gradients for a few steps, in a group of its own or sharing one: the same
+    average x. A group's schedule-free weight sum advanced only on steps where one of its parameters had
+    a gradient, so in its own group the weights of its later steps were larger — 0.083 apart from both the
+    shared-group run and schedulefree's reference in an audit's run (2026-11-26); the reference adds every
+    step's weight to a group's sum."""
+    def run(shared: bool):
+        torch.manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4, 6))
+        groups = [{"params": [a, b]}] if shared else [{"params": [a]}, {"params": [b]}]
+        opt = cls(groups, lr=1e-1, impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(12):
+            a.grad = torch.randn(4, 6, generator=gen)
+            b.grad = torch.randn(4, 6, generator=gen) if (t < 3 or t >= 8) else None
+            opt.step()
+        opt.eval()
+        return b.detach().clone()
+    torch.testing.assert_close(run(False), run(True), rtol=0, atol=1e-6)

@@ -41,6 +41,7 @@ class _ScalarOnly(NonansOptimizer):
             states.append(st)
             indices.append(ctx["index"] + j)
         if not params:
+            self._idle_group(group, ctx)
             return
         gamma, c = self._schedule(group, ctx)
         scalar_update(params, grads, states, indices, group, ctx, sf=self._sf, gamma=gamma, c=c,

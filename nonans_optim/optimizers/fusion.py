@@ -234,6 +234,7 @@ class Fusion(NonansOptimizer):
             for lst, item in zip(lists[path], (p, found[j], st, ctx["index"] + j)):
                 lst.append(item)
         if not (lists["spectral"][0] or lists["scalar"][0]):
+            self._idle_group(group, ctx)
             return
         gamma, c = self._schedule(group, ctx)
         if lists["spectral"][0]:
