@@ -505,3 +505,22 @@ def test_dataclass_float8_and_meta_outputs():
     with watch(meta) as w:
         meta(torch.randn(2, 3, device="meta")).sum()
         assert w.report() == {"forward": None, "backward": None}
+
+
+@pytest.mark.parametrize("infs", [True, False])
+def test_large_tensors_are_checked_exactly_in_one_pass(infs):
+    """From _MINMAX_FROM entries a tensor is checked with aminmax (no temporary of its size): NaN and ±Inf
+    found wherever they sit, and finite extremes of both signs (whose lo + hi would overflow) are no event."""
+    from nonans_optim.watch import _MINMAX_FROM, _nonfinite_by_device
+
+    n = _MINMAX_FROM + 5
+    cpu = torch.device("cpu")
+    for value, pos, expected in ((float("nan"), 0, True), (float("nan"), n - 1, True), (float("inf"), 7, infs),
+                                 (float("-inf"), n - 1, infs), (3e38, 3, False)):
+        t = torch.randn(n)
+        t[pos] = value
+        if value == 3e38:
+            t[pos + 1] = 3e38  # lo + hi, hi + hi would be Inf: the check must not add them
+            t[pos + 2] = -3e38
+        assert bool(_nonfinite_by_device([t, torch.randn(3)], infs)[cpu]) == expected, (value, pos)
+        assert bool(_nonfinite_by_device([t.bfloat16()], infs)[cpu]) == (expected and value != 3e38)
