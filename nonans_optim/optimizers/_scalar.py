@@ -40,6 +40,33 @@ def scalar_init_state(p: torch.Tensor, *, sf: bool) -> dict[str, torch.Tensor]:
     return st
 
 
+def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], indices: list[int],
+                 group: dict[str, Any], ctx: dict[str, Any], *, sf: bool, gamma: torch.Tensor, c: float) -> tuple:
+    """Step the tensors of a group the native loop covers (contiguous fp32 CPU parameter, gradient and
+    moments) there, and return the others (params, grads, states, indices) for the foreach path. One bf16
+    or channels_last tensor sent the whole group to foreach, 14-21x torch's fused AdamW on a GPT-sized
+    model where the loop is under 1x (an audit, 2026-11-26); each tensor's step is its own, so splitting
+    the group changes no value. The counts of both parts go to the step's record, not the loop's own
+    (``record_in_kernel`` off for this call: the foreach part produces counts too)."""
+    key = "z" if sf else "exp_avg"
+
+    def covered(p, g, st):
+        return all(t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
+                   for t in (p, g, st[key], st["exp_avg_sq"]))
+
+    mine = [covered(p, g, st) for p, g, st in zip(params, grads, states)]
+    if not any(mine) or all(mine):  # all: the whole group was just refused (no library, a state mismatch)
+        return params, grads, states, indices
+    part = [[x for x, m in zip(xs, mine) if m == want] for want in (True, False)
+            for xs in (params, grads, states, indices)]
+    saved, ctx["record_in_kernel"] = ctx["record_in_kernel"], False
+    try:
+        done = native_scalar_update(*part[:4], group, ctx, sf=sf, gamma=gamma, c=c)
+    finally:
+        ctx["record_in_kernel"] = saved
+    return tuple(part[4:]) if done else (params, grads, states, indices)
+
+
 def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                   indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                   gamma: torch.Tensor, c: float, impl: str) -> None:
@@ -57,6 +84,11 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
         if first == "triton" and triton_scalar_update(params, grads, states, indices, group, ctx, sf=sf,
                                                       gamma=gamma, c=c):
             return None
+        if first == "native":  # the loop covers some tensors of the group: those run there, the rest below
+            params, grads, states, indices = _native_part(params, grads, states, indices, group, ctx, sf=sf,
+                                                          gamma=gamma, c=c)
+            if not params:
+                return None
         grads, impl = eager_guard(grads, indices, ctx), "foreach"
     if impl == "fused":
         return fused_scalar_update(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma, c=c)
