@@ -60,6 +60,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         self._index_cache: dict[tuple, torch.Tensor] = {}
         self._carrier_cache: torch.Tensor | None = None
         self._last_gamma: torch.Tensor | None = None  # γ of param_groups[0] at the last step (metrics())
+        self._workspaces: dict = {}  # the native spectral path's buffers kept between steps (_fused_spectral)
 
     # ------------------------------------------------------------------ param bookkeeping
     def _all_params(self) -> list[torch.Tensor]:
@@ -312,7 +313,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
             res.pass_clean_steps(st["step"] - st["recorded_step"] - 1)  # steps run under "off" since the last record
         ctx = {"step": st["step"], "resolution": res, "counts": [], "loss": self._pending_loss,
                "index": 0, "dense": None, "guard": self._guard, "device_indices": self._device_indices,
-               "guard_in_kernel": False,
+               "guard_in_kernel": False, "workspaces": self._workspaces,
                "spike_factor": self.spike_factor if res is not None else None,
                # a native kernel may fold the counts itself (one C call, not two) when its group is the
                # step's only producer of counts; it then sets "recorded"

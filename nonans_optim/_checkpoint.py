@@ -341,6 +341,7 @@ class Checkpointed:
         self.__dict__.setdefault("_resolution", None)
         self.__dict__.setdefault("_index_cache", {})
         self.__dict__.setdefault("_carrier_cache", None)
+        self.__dict__.setdefault("_workspaces", {})  # (a copy never shares the original's buffers)
         legacy = self.state.pop(GLOBAL_KEY, None)  # an optimizer pickled with the old layout
         if legacy is not None and self._num_params():
             self.state[self._carrier()][GLOBAL_KEY] = legacy_global(legacy)

@@ -4,6 +4,8 @@ the result does not depend on the thread count, the spike guard and the bf16 mom
 them, and the NS5 input's scale invariance over fp32's whole range."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -275,3 +277,31 @@ def test_direction_whose_squares_overflow_matches_loop(monkeypatch, comps, polic
     unbounded_loop(monkeypatch, 2.0 ** 70)
     check_direction_whose_squares_overflow("cpu", comps, policy)
     assert len(ran) == 3 and all(ran)
+
+
+def test_workspace_buffers_go_with_the_optimizer():
+    """The native spectral path keeps its NS5 stacks between steps; they belong to the optimizer now. Kept
+    in a module-level dict keyed by the group's first parameter, they outlived a deleted optimizer for as
+    long as the model did (an audit, 2026-11-26: 8 bytes per parameter of a 2048² matrix)."""
+    import gc
+    import weakref
+
+    if native.library() is None:
+        pytest.skip(f"native kernel unavailable: {native.failure()}")
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    opt = no.SFNorMuon([w], impl="fused")
+    for _ in range(2):
+        w.grad = torch.randn(64, 32)
+        opt.step()
+    (anchor, cache), = opt._workspaces.values()
+    assert anchor is w
+    (inputs, *_), = cache.values()
+    buf = weakref.ref(inputs[0])
+    w.grad = torch.randn(64, 32)
+    opt.step()
+    assert next(iter(next(iter(opt._workspaces.values()))[1].values()))[0][0] is buf()  # reused, not rebuilt
+    twin = copy.deepcopy(opt)
+    assert twin._workspaces == {}  # a copy builds its own
+    del opt, twin, cache, inputs
+    gc.collect()
+    assert buf() is None and w.grad is not None  # the model lives on; the optimizer's buffers do not

@@ -28,7 +28,6 @@ import ctypes
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import native
 from .._workspace import Workspace
@@ -57,19 +56,22 @@ def _member_pointers(stacks: list[torch.Tensor], buckets, n: int):
     return Int64Array(ptrs)
 
 
-_WORKSPACE = WeakIdKeyDictionary()  # tensors hash by identity here (a WeakKeyDictionary would compare them)
-
-
-def _workspace(anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype, raw: bool):
+def _workspace(owner: dict, anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype, raw: bool):
     """The NS5 input stacks, one NS5 workspace per bucket and the row/hold flags of a group, kept between
-    steps (keyed by the group's first parameter, released with it): fresh buffers each step are handed back
-    to the OS and page-faulted in again (see :mod:`nonans_optim._workspace`). Safe to reuse: all of them
-    only live inside one step, and each bucket's NS5 output stays in its own workspace until post reads it.
-    ``raw`` (KL-Shampoo): fp32 stacks for pre's M as well, and per tensor the guard's scale and the
-    non-finite count of g."""
-    cache = _WORKSPACE.get(anchor)
-    if cache is None:
-        cache = _WORKSPACE[anchor] = {}
+    steps: fresh buffers each step are handed back to the OS and page-faulted in again (see
+    :mod:`nonans_optim._workspace`). Safe to reuse: all of them only live inside one step, and each bucket's
+    NS5 output stays in its own workspace until post reads it. ``raw`` (KL-Shampoo): fp32 stacks for pre's
+    M as well, and per tensor the guard's scale and the non-finite count of g.
+
+    Kept in ``owner``, the optimizer's own dict (``ctx["workspaces"]``), by the group's first parameter, so
+    they go with the optimizer. They were kept in a module-level dict keyed by that parameter, and outlived
+    a deleted optimizer for as long as the model did: 8 bytes per parameter of a 2048² matrix still
+    allocated after ``del opt`` (an audit, 2026-11-26) — a learning-rate sweep or restart that builds a new
+    optimizer on the same model held them once per optimizer built."""
+    entry = owner.get(id(anchor))
+    if entry is None or entry[0] is not anchor:  # (the optimizer holds its parameters: ids are not reused)
+        entry = owner[id(anchor)] = (anchor, {})
+    cache = entry[1]
     key = (shapes, hot, raw)
     if key not in cache:
         cache.clear()
@@ -120,8 +122,8 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     nulls = Int64Array([0] * n)
     rows, cols = Int64Array([s[0] for s in shapes]), Int64Array([s[1] for s in shapes])
     buckets = _buckets(params)
-    inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(params[0], tuple(shapes), buckets, hot,
-                                                                     shampoo)
+    inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(ctx.get("workspaces", {}), params[0],
+                                                                     tuple(shapes), buckets, hot, shampoo)
     gate = policy != "off"
     r = resolution_pointers(ctx, indices)
     threads = torch.get_num_threads()
