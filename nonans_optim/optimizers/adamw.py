@@ -69,8 +69,9 @@ class AdamW(_ScalarOnly):
     above the 2% budget of issue 3, against a few percent without it). The spectral path computes the
     norm anyway for NS5's normalisation, so there it costs nothing. Without the guard, a clean or
     finite-spiked step is ``torch.optim.AdamW``'s arithmetic, in another order of operations (so equal up to
-    rounding, not bit for bit: an update that nearly cancels the parameter differs in relative terms); pass ``spike_factor=10.0`` to trade that
-    read for the recovery the ``spikes`` experiment measures (RESULTS.md)."""
+    rounding, not bit for bit: an update that nearly cancels the parameter differs in relative terms); pass
+    ``spike_factor=10.0`` to trade that read for the recovery the ``spikes`` experiment measures
+    (RESULTS.md)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
