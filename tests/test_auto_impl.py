@@ -184,3 +184,48 @@ def test_auto_runs_the_covered_tensors_of_a_mixed_group_natively(cls, monkeypatc
     perm = [0, 1, 3, 4, 2]  # the split run's parameter order (fp32 group first), by the mixed run's position
     for key in ("counts", "events", "scale", "clean_streak", "escalations"):
         assert torch.equal(oa._global()["resolution"][key], ob._global()["resolution"][key][perm]), key
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.FullFusion], ids=["SFNorMuon", "FullFusion"])
+def test_auto_runs_the_covered_matrices_of_a_mixed_spectral_group_natively(cls, monkeypatch):
+    """The spectral path's twin of the test above: a channels_last conv kernel among fp32 matrices sent
+    the whole group to foreach (SF-NorMuon 2.1-2.5x slower on a GPT-sized model; an audit, 2026-11-26).
+    The covered matrices now run in the native loops and the kernel foreach: what the same tensors give
+    with the kernel in a group of its own, faults included."""
+    from nonans_optim.optimizers import _fused_spectral
+
+    calls = []
+    real = _fused_spectral.fused_spectral_update
+
+    def spy(params, *args, **kw):
+        done = real(params, *args, **kw)
+        calls.append((len(params), done))
+        return done
+
+    monkeypatch.setattr(_fused_spectral, "fused_spectral_update", spy)
+
+    def run(split: bool):
+        torch.manual_seed(0)
+        mats = [torch.nn.Parameter(torch.randn(s)) for s in [(8, 6), (8, 6), (6, 5)]]
+        conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+        groups = ([{"params": mats, "path": "spectral"}, {"params": [conv], "path": "spectral"}] if split
+                  else [{"params": mats[:1] + [conv] + mats[1:], "path": "spectral"}])
+        opt = cls(groups, lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(4):
+            for p in mats + [conv]:
+                p.grad = torch.randn(p.shape, generator=gen).contiguous(
+                    memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format)
+            if t == 2:
+                mats[0].grad[0, 0], conv.grad[1, 1, 0, 0] = float("nan"), float("inf")
+            opt.step()
+        return mats + [conv], opt
+
+    (a, oa), (b, ob) = run(False), run(True)
+    assert (3, True) in calls[:3]  # the mixed group's fp32 matrices went to the loops
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    assert sorted((e.step, e.stage, e.nan_count, e.inf_count) for e in oa.events) == \
+        sorted((e.step, e.stage, e.nan_count, e.inf_count) for e in ob.events)
+    assert oa.metrics()["resolution/events_total"] == 2.0

@@ -85,6 +85,32 @@ def _workspace(owner: dict, anchor: torch.Tensor, shapes: tuple, buckets, hot: t
     return cache[key]
 
 
+def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], indices: list[int],
+                group: dict[str, Any], ctx: dict[str, Any], *, comps: frozenset[str], gamma: torch.Tensor,
+                c: float) -> tuple:
+    """impl="auto" after :func:`fused_spectral_update` refused the whole group: step the matrices the native
+    loops cover (contiguous fp32 CPU parameter and gradient, state in the dtypes the loops take, one
+    momentum dtype) there and return the others (params, grads, states, indices) for the foreach path. One
+    channels_last conv kernel sent the whole group to foreach (SF-NorMuon 2.1-2.5x slower on a GPT-sized
+    model, an audit, 2026-11-26), as it did on the (SF-)AdamW path (``_scalar._native_part``). Each matrix's
+    step is its own, so the split changes no value beyond the rounding that separates the two paths; the
+    loops never fold counts themselves here, so both parts' counts reach the step's record."""
+    def fp32(t):
+        return t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
+
+    extra = [k for k in ("z", "normuon_row_sq", "mona_prev_grad", "mona_diff_avg") if k in states[0]]
+    mine = [fp32(p) and fp32(g) and st["momentum_buffer"].is_contiguous() and all(fp32(st[k]) for k in extra)
+            for p, g, st in zip(params, grads, states)]
+    dtypes = [st["momentum_buffer"].dtype for st, m in zip(states, mine) if m]
+    mine = [m and st["momentum_buffer"].dtype is dtypes[0] for st, m in zip(states, mine)]
+    if not any(mine) or all(mine):  # all: the group was refused for a reason of its own (components, device)
+        return params, grads, states, indices
+    part = [[x for x, m in zip(xs, mine) if m == want] for want in (True, False)
+            for xs in (params, grads, states, indices)]
+    done = fused_spectral_update(*part[:4], group, ctx, comps=comps, gamma=gamma, c=c)
+    return tuple(part[4:]) if done else (params, grads, states, indices)
+
+
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
 def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
                           indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,

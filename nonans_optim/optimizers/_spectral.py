@@ -34,7 +34,7 @@ from ..routing import matrix_shape
 from ._common import (commit_update, eager_guard, keep_flags, record, record_inf, record_tally, restore_if_bad,
                       take_snapshot)
 from ._compiled_spectral import compiled_spectral_update
-from ._fused_spectral import fused_spectral_update
+from ._fused_spectral import fused_spectral_update, native_part
 
 __all__ = ["spectral_init_state", "spectral_update"]
 
@@ -102,6 +102,11 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
     if impl in ("fused", "auto") and fused_spectral_update(params, grads, states, indices, group, ctx,
                                                             comps=comps, gamma=gamma, c=c):
         return
+    if impl == "auto" and params[0].is_cpu:  # the loops may cover some matrices: those run there, the rest below
+        params, grads, states, indices = native_part(params, grads, states, indices, group, ctx, comps=comps,
+                                                     gamma=gamma, c=c)
+        if not params:
+            return
     # fused falls back to compiled where its loops do not cover the group; auto falls back to foreach
     if impl in ("compiled", "fused") and compiled_spectral_update(params, grads, states, indices, group, ctx,
                                                                   comps=comps, gamma=gamma, c=c):
