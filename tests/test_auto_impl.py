@@ -138,6 +138,20 @@ def test_auto_says_why_it_runs_foreach(monkeypatch, caplog):
     assert any("NONANS_NATIVE=0" in r.getMessage() and r.levelname == "INFO" for r in caplog.records)
 
 
+def _spy(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` (a native step taking the parameter list first): the returned list gets
+    (number of parameters, whether it ran) per call."""
+    calls, real = [], getattr(module, name)
+
+    def spy(params, *args, **kw):
+        done = real(params, *args, **kw)
+        calls.append((len(params), done))
+        return done
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_auto_runs_the_covered_tensors_of_a_mixed_group_natively(cls, monkeypatch):
@@ -147,15 +161,7 @@ def test_auto_runs_the_covered_tensors_of_a_mixed_group_natively(cls, monkeypatc
     of their own, faults in both parts recorded."""
     from nonans_optim.optimizers import _scalar
 
-    calls = []
-    real = _scalar.native_scalar_update
-
-    def spy(params, *args, **kw):
-        done = real(params, *args, **kw)
-        calls.append((len(params), done))
-        return done
-
-    monkeypatch.setattr(_scalar, "native_scalar_update", spy)
+    calls = _spy(monkeypatch, _scalar, "native_scalar_update")
 
     def run(split: bool):
         torch.manual_seed(0)
@@ -195,15 +201,7 @@ def test_auto_runs_the_covered_matrices_of_a_mixed_spectral_group_natively(cls, 
     with the kernel in a group of its own, faults included."""
     from nonans_optim.optimizers import _fused_spectral
 
-    calls = []
-    real = _fused_spectral.fused_spectral_update
-
-    def spy(params, *args, **kw):
-        done = real(params, *args, **kw)
-        calls.append((len(params), done))
-        return done
-
-    monkeypatch.setattr(_fused_spectral, "fused_spectral_update", spy)
+    calls = _spy(monkeypatch, _fused_spectral, "fused_spectral_update")
 
     def run(split: bool):
         torch.manual_seed(0)
