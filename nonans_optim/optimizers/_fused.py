@@ -36,7 +36,7 @@ from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
 __all__ = ["fused_scalar_update", "native_scalar_update", "auto_choice", "Int64Array", "pointers",
-           "resolution_pointers"]
+           "resolution_pointers", "run_covered"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
 _WARNED: list[bool] = []
@@ -50,6 +50,19 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) ->
     if len(ptrs) != len(tensors) or (0 in ptrs and any(not a and t.numel() for a, t in zip(ptrs, tensors))):
         return None
     return Int64Array(ptrs)
+
+
+def run_covered(covered: list[bool], lists: tuple[list, ...], step) -> tuple[list, ...]:
+    """impl="auto" on a group the native loops refused as a whole: ``step(*lists)`` (a native update taking
+    (params, grads, states, indices), True when it ran) on the entries ``covered`` marks, and the lists of
+    the others returned for the foreach path — ``lists`` unchanged when none or all are covered (then the
+    refusal was the group's own: no library, its components, its device) or ``step`` refused. Each
+    tensor's step is its own, so running a group in two parts changes no value beyond the rounding that
+    separates the two paths (``_scalar._native_part``, ``_fused_spectral.native_part``)."""
+    if not any(covered) or all(covered):
+        return lists
+    mine, rest = ([[x for x, c in zip(xs, covered) if c == want] for xs in lists] for want in (True, False))
+    return tuple(rest) if step(*mine) else lists
 
 
 _OFF = dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0, rec=None,

@@ -36,7 +36,7 @@ from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
 from ._compiled_spectral import _buckets
 from ._common import check_spectral_sizes, mark_written, resolution_written
-from ._fused import Int64Array, pointers, resolution_pointers
+from ._fused import Int64Array, pointers, resolution_pointers, run_covered
 from ._fused_triton import backend, triton_spectral_update
 from ._kl_stacks import precondition_stacks
 
@@ -89,26 +89,19 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
                 group: dict[str, Any], ctx: dict[str, Any], *, comps: frozenset[str], gamma: torch.Tensor,
                 c: float) -> tuple:
     """impl="auto" after :func:`fused_spectral_update` refused the whole group: step the matrices the native
-    loops cover (contiguous fp32 CPU parameter and gradient, state in the dtypes the loops take, one
-    momentum dtype) there and return the others (params, grads, states, indices) for the foreach path. One
+    loops cover (parameter, gradient and fp32 state as :func:`._fused.pointers` takes them, and one
+    momentum dtype) there and return the others for the foreach path (:func:`._fused.run_covered`). One
     channels_last conv kernel sent the whole group to foreach (SF-NorMuon 2.1-2.5x slower on a GPT-sized
-    model, an audit, 2026-11-26), as it did on the (SF-)AdamW path (``_scalar._native_part``). Each matrix's
-    step is its own, so the split changes no value beyond the rounding that separates the two paths; the
-    loops never fold counts themselves here, so both parts' counts reach the step's record."""
-    def fp32(t):
-        return t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
-
+    model, an audit, 2026-11-26). The loops never fold counts themselves here, so both parts' counts reach
+    the step's record."""
     extra = [k for k in ("z", "normuon_row_sq", "mona_prev_grad", "mona_diff_avg") if k in states[0]]
-    mine = [fp32(p) and fp32(g) and st["momentum_buffer"].is_contiguous() and all(fp32(st[k]) for k in extra)
-            for p, g, st in zip(params, grads, states)]
-    dtypes = [st["momentum_buffer"].dtype for st, m in zip(states, mine) if m]
-    mine = [m and st["momentum_buffer"].dtype is dtypes[0] for st, m in zip(states, mine)]
-    if not any(mine) or all(mine):  # all: the group was refused for a reason of its own (components, device)
-        return params, grads, states, indices
-    part = [[x for x, m in zip(xs, mine) if m == want] for want in (True, False)
-            for xs in (params, grads, states, indices)]
-    done = fused_spectral_update(*part[:4], group, ctx, comps=comps, gamma=gamma, c=c)
-    return tuple(part[4:]) if done else (params, grads, states, indices)
+    bufs = [st["momentum_buffer"] for st in states]
+    covered = [pointers([p, g] + [st[k] for k in extra]) is not None
+               for p, g, st in zip(params, grads, states)]
+    first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
+    covered = [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
+    return run_covered(covered, (params, grads, states, indices),
+                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma, c=c))
 
 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step

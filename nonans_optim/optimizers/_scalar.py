@@ -24,7 +24,7 @@ from ..functional.schedule_free import sf_update_
 from ._common import (commit_update, eager_guard, keep_flags, record_inf, record_tally, restore_if_bad,
                       take_snapshot)
 from ._compiled import compiled_scalar_update
-from ._fused import fused_scalar_update, native_scalar_update
+from ._fused import fused_scalar_update, native_scalar_update, pointers, run_covered
 from ._fused_triton import backend, triton_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update"]
@@ -42,29 +42,23 @@ def scalar_init_state(p: torch.Tensor, *, sf: bool) -> dict[str, torch.Tensor]:
 
 def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], indices: list[int],
                  group: dict[str, Any], ctx: dict[str, Any], *, sf: bool, gamma: torch.Tensor, c: float) -> tuple:
-    """Step the tensors of a group the native loop covers (contiguous fp32 CPU parameter, gradient and
-    moments) there, and return the others (params, grads, states, indices) for the foreach path. One bf16
-    or channels_last tensor sent the whole group to foreach, 14-21x torch's fused AdamW on a GPT-sized
-    model where the loop is under 1x (an audit, 2026-11-26); each tensor's step is its own, so splitting
-    the group changes no value. The counts of both parts go to the step's record, not the loop's own
-    (``record_in_kernel`` off for this call: the foreach part produces counts too)."""
+    """Step the tensors of a group the native loop covers (parameter, gradient and moments as
+    :func:`._fused.pointers` takes them: contiguous fp32 CPU) there, and return the others for the foreach
+    path (:func:`._fused.run_covered`). One bf16 or channels_last tensor sent the whole group to foreach,
+    14-21x torch's fused AdamW on a GPT-sized model where the loop is under 1x (an audit, 2026-11-26). The
+    counts of both parts go to the step's record, not the loop's own (``record_in_kernel`` off for this
+    call: the foreach part produces counts too)."""
     key = "z" if sf else "exp_avg"
+    covered = [pointers([p, g, st[key], st["exp_avg_sq"]]) is not None for p, g, st in zip(params, grads, states)]
 
-    def covered(p, g, st):
-        return all(t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
-                   for t in (p, g, st[key], st["exp_avg_sq"]))
+    def step(*part) -> bool:
+        saved, ctx["record_in_kernel"] = ctx["record_in_kernel"], False
+        try:
+            return native_scalar_update(*part, group, ctx, sf=sf, gamma=gamma, c=c)
+        finally:
+            ctx["record_in_kernel"] = saved
 
-    mine = [covered(p, g, st) for p, g, st in zip(params, grads, states)]
-    if not any(mine) or all(mine):  # all: the whole group was just refused (no library, a state mismatch)
-        return params, grads, states, indices
-    part = [[x for x, m in zip(xs, mine) if m == want] for want in (True, False)
-            for xs in (params, grads, states, indices)]
-    saved, ctx["record_in_kernel"] = ctx["record_in_kernel"], False
-    try:
-        done = native_scalar_update(*part[:4], group, ctx, sf=sf, gamma=gamma, c=c)
-    finally:
-        ctx["record_in_kernel"] = saved
-    return tuple(part[4:]) if done else (params, grads, states, indices)
+    return run_covered(covered, (params, grads, states, indices), step)
 
 
 def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
