@@ -55,6 +55,16 @@ def _moment_count(g: Tally, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return g.finite, torch.count_nonzero(ok)
 
 
+def _commit_adam_(m: torch.Tensor, m_new: torch.Tensor, v: torch.Tensor, v_new: torch.Tensor,
+                  g: Tally) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both new moments written where observed (:func:`_observed`), both kept elsewhere; the moment-stage
+    count (:func:`_moment_count`). The loop and the foreach forms share it."""
+    ok = _observed(v, v_new, m, m_new)
+    _write_observed_(m, m_new, ok)
+    _write_observed_(v, v_new, ok)
+    return _moment_count(g, ok)
+
+
 def _moments_one(g, m, v, beta1, beta2, repair):
     """Update m, v in place for one tensor; returns the Tally of g and the moment-overflow count (a, b) of
     :func:`_moment_count`."""
@@ -62,10 +72,7 @@ def _moments_one(g, m, v, beta1, beta2, repair):
         g_in, g_counts = gated_grad(g, m)
         m_new = torch.lerp(m, g_in, 1 - beta1)
         v_new = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-        ok = _observed(v, v_new, m, m_new)
-        _write_observed_(m, m_new, ok)
-        _write_observed_(v, v_new, ok)
-        return g_counts, _moment_count(g_counts, ok)
+        return g_counts, _commit_adam_(m, m_new, v, v_new, g_counts)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     return None, None
@@ -95,12 +102,8 @@ def adam_moments_foreach(grads, exp_avgs, exp_avg_sqs, *, beta1: float, beta2: f
     m_new = torch._foreach_lerp(exp_avgs, g_in, 1 - beta1)
     v_new = torch._foreach_mul(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(v_new, grads, grads, value=1 - beta2)
-    moment_counts = []
-    for m, mn, v, vn, gc in zip(exp_avgs, m_new, exp_avg_sqs, v_new, g_counts):
-        ok = _observed(v, vn, m, mn)
-        _write_observed_(m, mn, ok)
-        _write_observed_(v, vn, ok)
-        moment_counts.append(_moment_count(gc, ok))
+    moment_counts = [_commit_adam_(m, mn, v, vn, gc)
+                     for m, mn, v, vn, gc in zip(exp_avgs, m_new, exp_avg_sqs, v_new, g_counts)]
     return g_counts, moment_counts
 
 
