@@ -30,6 +30,13 @@ from .resolution import POLICIES, STAGES, Resolution, SingularityEvent, check_po
 __all__ = ["NonansOptimizer"]
 
 
+def _gamma_dtype(group: dict[str, Any]) -> torch.dtype:
+    """The dtype of a group's step size γ: fp64 where the group holds fp64 parameters (an fp32 γ put every
+    fp64 step 4e-8 off torch's AdamW, 7.7e-7 after 20 steps, and rounded a decay factor 1 - lr·wd above
+    1 - 6e-8 to exactly 1), fp32 otherwise."""
+    return torch.float64 if any(p.dtype is torch.float64 for p in group["params"]) else torch.float32
+
+
 def _warmup(group: dict[str, Any], step: int) -> float:
     """Linear warmup factor min(1, t / warmup_steps) of a group (1 without warmup)."""
     warm = group.get("warmup_steps", 0)
@@ -391,9 +398,7 @@ class NonansOptimizer(Checkpointed, Optimizer):
         sync, with a warning once). A CPU lr for CUDA parameters is read on the host (no device sync)."""
         lr, warm = group["lr"], _warmup(group, ctx["step"])
         device = ctx["unit_scale"].device
-        # fp64 where the group holds fp64 parameters: an fp32 γ put every fp64 step 4e-8 off torch's AdamW
-        # (7.7e-7 after 20 steps) and rounded a decay factor 1 - lr·wd above 1 - 6e-8 to exactly 1
-        dtype = torch.float64 if any(p.dtype is torch.float64 for p in group["params"]) else torch.float32
+        dtype = _gamma_dtype(group)
         c = 0.0
         if isinstance(lr, torch.Tensor) and lr.device == device and "sf_weight_sum" not in group:
             gamma = lr.detach().reshape(()).to(dtype) * warm
@@ -473,9 +478,8 @@ class NonansOptimizer(Checkpointed, Optimizer):
             # warmup before any step — nothing has moved yet — and 1 without)
             last = getattr(self, "_last_gamma", None)
             if last is None:  # rounded as _schedule rounds γ: a resumed run reports what the saved one did
-                wide = any(p.dtype is torch.float64 for p in g0["params"])
                 lr_t = float(g0["lr"]) * _warmup(g0, st["step"] if st else 0)
-                last = torch.tensor(lr_t, dtype=torch.float64 if wide else torch.float32)
+                last = torch.tensor(lr_t, dtype=_gamma_dtype(g0))
                 last = last * pol["gamma_mult"].cpu() if pol is not None else last
             out["fusion/gamma_curr"] = float(last)
         if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
