@@ -1,6 +1,7 @@
-"""The shared Optimizer shell: validation, lazy state, the global step, train()/eval(), set_loss(),
-metrics(), events and the resolution bookkeeping. No algorithm math lives here (see ``functional/`` and
-``optimizers/_scalar.py`` and ``optimizers/_spectral.py``).
+"""The shared Optimizer shell: lazy state, the global step, train()/eval(), set_loss(), metrics(), events
+and the resolution bookkeeping. No algorithm math lives here (see ``functional/`` and
+``optimizers/_scalar.py`` and ``optimizers/_spectral.py``); a group's admission and hyperparameter checks
+are in ``_groups.py``, the checkpoint side in ``_checkpoint.py``.
 
 Optimizer-level state — the global step, the Polyak EMAs, the resolution counters, the train/eval mode —
 lives in one parameter's state, under the key ``"nonans"`` (:data:`._checkpoint.GLOBAL_KEY`; the
@@ -17,12 +18,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch.optim import Optimizer
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._checkpoint import Checkpointed
 from ._distributed import warn_per_rank_loss
 from ._transfer import to_device
-from ._validation import _check_float, _check_int, check_betas
+from ._groups import GroupAdmission
+from ._validation import _check_float
 from .functional.schedule_free import sf_weight
 from .optimizers._common import assemble_counts, record_inf
 from .resolution import POLICIES, STAGES, Resolution, SingularityEvent, check_policy
@@ -43,7 +44,7 @@ def _warmup(group: dict[str, Any], step: int) -> float:
     return min(1.0, step / warm) if warm > 0 else 1.0
 
 
-class NonansOptimizer(Checkpointed, Optimizer):
+class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
     """Base of every nonans_optim optimizer. Subclasses implement ``_step_group(group, ctx)``."""
 
     #: True when any parameter takes a schedule-free path (then train()/eval() swap y ↔ x).
@@ -80,23 +81,6 @@ class NonansOptimizer(Checkpointed, Optimizer):
     def _first_param(self) -> torch.Tensor:
         """_all_params()[0] without building the list; only called when there are parameters."""
         return next(p for g in self.param_groups for p in g["params"])
-
-    def _align_names(self, group: dict[str, Any]) -> None:
-        """A group whose ``param_names`` has another length than its ``params`` cannot say which name is
-        whose: ZeroRedundancyOptimizer copies a group's whole name list into each rank's shard of it, and
-        torch accepts that, so names routed the wrong tensors (an embedding to the spectral path) and
-        labelled events with other parameters' names. Its names become None (routing by ``path`` or
-        shape, events by index), with a warning; never a wrong name."""
-        names = group.get("param_names")
-        if names is None or len(names) == len(group["params"]):
-            return
-        warnings.warn(f"{type(self).__name__}: a param group has {len(names)} param_names for "
-                      f"{len(group['params'])} params (ZeroRedundancyOptimizer passes each rank the whole list), "
-                      "so no name can be matched to its tensor: the names are dropped — routing falls back to "
-                      "the group's 'path' or the shapes, events name parameters by index. To route embeddings "
-                      "and heads, give groups a 'path' (no.param_groups(model) does).", RuntimeWarning,
-                      stacklevel=4)
-        group["param_names"] = [None] * len(group["params"])
 
     def _param_names(self) -> list[str | int]:
         names: list[str | int] = []
@@ -162,68 +146,6 @@ class NonansOptimizer(Checkpointed, Optimizer):
             res.set_policy(self._policy, st["step"] + 1 if step is None else step)
             st["logged_policy"] = code
         return res
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's add_param_group (the constructor's groups come through here too), then the group's
-        hyperparameters checked as the constructor checks its arguments: a bad value in a group added later
-        used to pass and fail halfway through a step, earlier groups already updated. A refused group is
-        not added."""
-        super().add_param_group(param_group)  # raises for a tensor already in another group
-        try:
-            params = self.param_groups[-1]["params"]
-            self._align_names(self.param_groups[-1])
-            if len({id(p) for p in params}) != len(params):
-                raise ValueError("params contains duplicate parameters (a tensor appears twice)")
-            complex_ = [p.dtype for p in params if p.is_complex()]
-            if complex_:
-                raise ValueError(f"complex parameters are not supported (got {complex_[0]}); "
-                                 "view them as real with torch.view_as_real")
-            wrapped = [type(p).__name__ for p in params if is_traceable_wrapper_subclass(p)]
-            if wrapped:  # the fused kernels read storage such a tensor does not have (DTensor: a null pointer)
-                raise ValueError(f"{wrapped[0]} parameters are not supported (FSDP2's fully_shard and tensor "
-                                 "parallelism shard parameters as DTensors; the spectral step needs whole "
-                                 "matrices): use DDP or a single device")
-            devices = {p.device for g in self.param_groups for p in g["params"]}
-            if len(devices) > 1:  # the counters, γ and the Polyak EMAs live on the first parameter's device,
-                # and a kernel given another device's addresses would read the wrong memory
-                raise ValueError(f"parameters on more than one device ({', '.join(sorted(map(str, devices)))}): "
-                                 "the step keeps its counters and step sizes on one device; build one "
-                                 "optimizer per device")
-            self._check_group(self.param_groups[-1])
-        except ValueError:
-            self.param_groups.pop()
-            raise
-        self._warn_fp16_adam(self.param_groups[-1])
-        self._resolution = None  # grown on next use: existing parameters keep their counters, new ones start at 0
-
-    def _adam_path(self, group: dict[str, Any], j: int, p: torch.Tensor) -> bool:
-        """True when parameter ``j`` of ``group`` takes the (SF-)AdamW arithmetic (every one, here)."""
-        return True
-
-    def _warn_fp16_adam(self, group: dict[str, Any]) -> None:
-        """Warn once per group with fp16 parameters on the Adam path. Its state lives in the parameter's
-        dtype, and in fp16 (1-β₂)·g² of an ordinary gradient (|g| ~ 1e-3) and eps = 1e-8 both round to 0:
-        the eager paths then divide 0 by 0 every step — "repair" keeps p, counts an update event and backs
-        the step off, so the parameter never moves — and the fused one takes ~8x the fp32 step (an audit,
-        2026-11-25). torch.optim.AdamW gives NaN there. bf16 (fp32's exponent range) is fine."""
-        half = [tuple(p.shape) for j, p in enumerate(group["params"])
-                if p.dtype == torch.float16 and self._adam_path(group, j, p)]
-        if half:
-            warnings.warn(f"{type(self).__name__}: {len(half)} float16 parameter(s) (shapes {half[:3]}) take the "
-                          "Adam update, whose moments underflow in float16 (v and eps round to 0): keep fp32 "
-                          "master weights (autocast) or use bfloat16", UserWarning, stacklevel=3)
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        """Raise ValueError naming a bad hyperparameter of ``group`` (the defaults, or one param group);
-        subclasses add theirs. ``warmup_steps`` is normalised to an int in place."""
-        _check_float("lr", group["lr"], device_ok=True)
-        _check_float("weight_decay", group.get("weight_decay", 0.0))
-        if "eps" in group:
-            _check_float("eps", group["eps"])
-        if "betas" in group:
-            check_betas("betas", group["betas"])
-        if "warmup_steps" in group:
-            group["warmup_steps"] = _check_int("warmup_steps", group["warmup_steps"])
 
     # ------------------------------------------------------------------ user-facing API
     @torch.compiler.disable  # dynamo drops attribute writes on an Optimizer (see below)
