@@ -8,9 +8,10 @@ whose text differs from what its JSON renders to — a number typed or edited by
 changed without re-rendering — which is how the test suite holds the published files to that rule
 (tests/test_render.py).
 
-A section whose JSON is missing is left as it is and listed (an experiment not run on this checkout), and so
-is a JSON whose section was never published (the experiment's own run creates the section and its heading);
-the kernels section is rendered only from a real GPU run, never from a dry run.
+A JSON whose section was never published is left alone and listed (the experiment's own run creates the
+section and its heading). A *published* section whose JSON is missing (or, for the kernels section, only a
+dry run, whose timings mean nothing) is left as it is when rendering, and fails ``--check``: nothing backs
+its numbers any more, and a check that passed with every JSON deleted could not hold them to the rule.
 """
 from __future__ import annotations
 
@@ -73,26 +74,30 @@ def _renderable(section: str, data: dict[str, Any] | None) -> bool:
     return True
 
 
-def render_all(results_md: Path, open_questions_md: Path, results_dir: Path) -> tuple[list[str], list[str]]:
+def render_all(results_md: Path, open_questions_md: Path,
+               results_dir: Path) -> tuple[list[str], list[str], list[str]]:
     """Rewrite each published section of ``results_md``, and ``open_questions_md`` whole (when the questions
-    have a folder of JSON), from ``results_dir``. Returns (what was rendered, what was left as it is: no
-    JSON, or a section never published)."""
-    done, left = [], []
+    have a folder of JSON), from ``results_dir``. Returns (what was rendered, what was left because it was
+    never published, what is published but has no JSON to render it from — left as it is)."""
+    done, left, unbacked = [], [], []
     text = results_md.read_text() if results_md.exists() else ""
     for section, (name, spec) in SECTIONS.items():
-        data = read_json(results_dir / name)
-        if not _renderable(section, data) or f"<!-- {section}:begin -->" not in text:
+        published = f"<!-- {section}:begin -->" in text
+        if not _renderable(section, read_json(results_dir / name)):
+            (unbacked if published else left).append(section)
+            continue
+        if not published:
             left.append(section)
             continue
-        replace_section(results_md, section, _function(spec)(data))
+        replace_section(results_md, section, _function(spec)(read_json(results_dir / name)))
         done.append(section)
     if (results_dir / "questions").is_dir():
         from experiments.questions import render_open_questions
         open_questions_md.write_text(render_open_questions(results_dir / "questions"))
         done.append(open_questions_md.name)
     else:
-        left.append(open_questions_md.name)
-    return done, left
+        (unbacked if open_questions_md.exists() else left).append(open_questions_md.name)
+    return done, left, unbacked
 
 
 def _stale(published: Path, rendered: Path) -> list[str]:
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             copies[k].parent.mkdir()
             if p.exists():
                 shutil.copyfile(p, copies[k])
-        done, missing = render_all(copies["results"], copies["questions"], args.results_dir)
+        done, missing, unbacked = render_all(copies["results"], copies["questions"], args.results_dir)
         if args.check:
             diffs = {k: _stale(targets[k], copies[k]) if targets[k].exists() else ["(file missing)"]
                      for k in targets}
@@ -127,13 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                 if copies[k].exists():  # a file neither published nor rendered stays absent
                     shutil.copyfile(copies[k], targets[k])
     print(f"rendered from {args.results_dir}: {', '.join(done) or 'nothing'}"
-          + (f"; left as they are (no JSON or not published): {', '.join(missing)}" if missing else ""))
+          + (f"; not published, left alone: {', '.join(missing)}" if missing else ""))
+    if unbacked:
+        print(f"published without a JSON in {args.results_dir} to render them from (left as they are): "
+              f"{', '.join(unbacked)}", file=sys.stderr)
     if not args.check:
         return 0
     stale = {k: d for k, d in diffs.items() if d}
     for k, d in stale.items():
         print(f"\n{targets[k]} differs from what its JSON renders to:\n" + "\n".join(d[:80]), file=sys.stderr)
-    return 1 if stale else 0
+    return 1 if stale or unbacked else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def test_published_results_match_their_json(capsys):
     rc = render_main(["--check"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-4000:]
-    assert "ablation" in out.out and "overhead" in out.out  # it did render the CPU sections
+    rendered = out.out.split(";")[0]  # "rendered from ...: a, b, c" (what follows names what was not)
+    assert all(name in rendered for name in ("ablation", "overhead", "bench", "OPEN_QUESTIONS.md")), out.out
 
 
 def _copies(tmp_path: Path) -> tuple[Path, Path]:
@@ -57,16 +58,27 @@ def test_check_catches_a_number_edited_by_hand(tmp_path, capsys):
     assert res.read_text() == (ROOT / "RESULTS.md").read_text()
 
 
-def test_sections_without_json_are_left_alone(tmp_path, capsys):
+def test_sections_without_json_are_left_alone_and_fail_the_check(tmp_path, capsys):
+    """A render leaves a published section whose JSON is gone as it is; ``--check`` fails on it (it passed
+    with every JSON deleted, an audit found: nothing backed the numbers and the check said they matched)."""
     res, oq = _copies(tmp_path)
     empty = tmp_path / "results"
     empty.mkdir()
-    assert render_main(["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]) == 0
+    args = ["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]
+    assert render_main(args) == 0
     assert res.read_text() == (ROOT / "RESULTS.md").read_text()
     assert oq.read_text() == (ROOT / "OPEN_QUESTIONS.md").read_text()
-    assert "left as they are" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "published without a JSON" in err and "ablation" in err and "OPEN_QUESTIONS.md" in err
+    assert render_main(["--check", *args]) == 1
+    partial = tmp_path / "partial"  # every JSON but one: the check names that one
+    shutil.copytree(ROOT / "results", partial)
+    (partial / SECTIONS["spikes"][0]).unlink()
+    assert render_main(["--check", "--results-md", str(res), "--open-questions-md", str(oq),
+                        "--results-dir", str(partial)]) == 1
+    assert "spikes" in capsys.readouterr().err.split("published without a JSON")[1].splitlines()[0]
     (empty / "questions").mkdir()  # a questions folder without a question's JSON: that one is "not run yet"
-    assert render_main(["--results-md", str(res), "--open-questions-md", str(oq), "--results-dir", str(empty)]) == 0
+    assert render_main(args) == 0
     assert "**Not run yet.**" in oq.read_text()
 
 
