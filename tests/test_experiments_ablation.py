@@ -84,12 +84,18 @@ def test_q2_fp16_probe_finds_the_naive_failure():
 
 
 def test_q8_accumulation_is_a_large_batch():
-    data = run_q8(micro=(1, 4), steps=3, optimizers=("sfnormuon",))
+    """Accumulating 4 micro-batches is one batch of 4x: the arms without bf16 NS5 and the Polyak clamp follow
+    the 1-micro-batch curve to rounding over 10 steps (the bound was 1e-2 over 3 steps, which the published
+    100-step run's SF-NorMuon drift of 2e-2 shows could pass a real difference)."""
+    data = run_q8(micro=(1, 4), steps=10)
+    for o, runs in data["runs"].items():
+        for r in runs.values():
+            assert r["moved_between_micro_steps"] == 0
+            if r["loss_ema"] is not None:
+                assert r["loss_ema"] == pytest.approx(r["loss_ema_recomputed"], rel=1e-5)
+        drift = max(abs(a - b) for a, b in zip(runs["1"]["curve"], runs["4"]["curve"]))
+        assert drift < (1e-2 if o == "sfnormuon" else 1e-5), (o, drift)
     runs = data["runs"]["sfnormuon"]
-    for r in runs.values():
-        assert r["moved_between_micro_steps"] == 0
-        assert r["loss_ema"] == pytest.approx(r["loss_ema_recomputed"], rel=1e-5)
-    assert max(abs(a - b) for a, b in zip(runs["1"]["curve"], runs["4"]["curve"])) < 1e-2
     assert runs["4"]["loss_ema_if_last_micro"] != pytest.approx(runs["4"]["loss_ema_recomputed"], rel=1e-6)
 
 
