@@ -145,3 +145,14 @@ def test_a_command_names_the_switches_it_ran_under(monkeypatch):
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
     monkeypatch.setenv("NONANS_CACHE_DIR", "/tmp/a b")  # where the build is cached changes no number
     assert env_prefix() == "NONANS_TRITON_ONE_LAUNCH=1 NONANS_FUSED_BACKEND=triton "
+
+
+def test_fused_step_bandwidth_target_has_a_verdict():
+    """The kernels section states the fused step's bandwidth target (≥ 0.80 of copy) and judges it from the
+    numbers: it was printed with no verdict while the repair arm ran at 0.44 of copy (an audit, 2026-11-26)."""
+    from experiments.kernels_step import render_fused_step
+    # 28 bytes × 1e6 entries in 0.1 ms = 280 GB/s; copy at 300 GB/s → 0.93, at 400 GB/s → 0.70
+    f = dict(numel=1_000_000, tensors=8, repair_ms=0.1, off_ms=0.1, torch_fused_ms=0.1, repair_vs_off=1.0,
+             repair_vs_torch_fused=1.0)
+    assert "copy bandwidth: met (0.93" in "\n".join(render_fused_step(f, 300.0))
+    assert "copy bandwidth: MISSED (0.70" in "\n".join(render_fused_step(f, 400.0))
