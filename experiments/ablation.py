@@ -7,7 +7,7 @@ the char-level LM and the digits CNN (:mod:`experiments.tasks`), each seed with
 * the same *wall-clock* budget: every optimizer trains for the seconds AdamW needed for the step budget
   (median over seeds, measured in the same run), and the steps it achieved are recorded.
 
-One lr for every optimizer: spectral updates are RMS-matched to AdamW's (ALGORITHMS.md, library decisions),
+One lr for every optimizer: spectral updates are RMS-matched to AdamW's (README.md, "One learning rate"),
 so the comparison is "swap the optimizer, keep the lr". The Polyak step is left off (no ``set_loss``): its
 clamp is measured separately (``questions polyak``). Results: ``results/ablation.json`` and
 ``results/ablation_<task>.png``; the RESULTS.md section between ``<!-- ablation:begin/end -->`` is rendered

@@ -1,13 +1,12 @@
 """``python -m experiments kernels`` — Triton NS5 and fused elementwise kernels against torch, on one GPU.
 
-What is measured, all in one run so every ratio shares the same machine state (DESIGN.md "Performance
-principles"):
+What is measured, all in one run so every ratio shares the same machine state:
 
 * the bf16 matmul rate (a large ``torch.matmul``) and the copy bandwidth (a large ``copy_``): the anchors;
 * NS5 (5 Keller iterations, bf16) per shape: eager torch (``iterate_reference``), the same function under
   ``torch.compile`` and ``nonans_optim.kernels.ns5_iterate``. Reported: ms, useful TFLOP/s at the dense
   count 4m²n + 2m³ per iteration, speedups, and the *symmetric limit* — the time the one-triangle FLOP count
-  3m²n + m³ would take at the measured matmul rate (PRIOR_ART.md "NS5 kernels");
+  3m²n + m³ would take at the measured matmul rate (``kernels/ns5_gram.py``);
 * the crossover: the smallest single-matrix size from which Triton is never slower than eager, which is
   what ``ns5(backend="auto")`` should use;
 * the fused AdamW / momentum kernels: achieved bandwidth (bytes each step must move / time) against the copy

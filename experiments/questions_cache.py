@@ -4,7 +4,8 @@ FusionOpt's ``TimeConditioningCache`` (not part of this library) memoises adaLN-
 timestep and invalidates "by checking ``data_ptr()`` of the first trainable 2-D parameter"
 (Taikakim/fusion-optimiser docs/open_questions.md, Q6). Its docs assume the schedule-free
 ``eval()``/``train()`` swap changes ``data_ptr``. It does not: the swap is an in-place ``lerp_`` (ours,
-``nonans_optim/functional/schedule_free.py``; FusionOpt's too, ALGORITHMS.md §8b-10), and so are
+``nonans_optim/functional/schedule_free.py``; FusionOpt's too: ``FusionOpt.eval``/``train`` in
+fusion_optimiser/optimizer.py copy into ``p.data``), and so are
 ``load_state_dict`` and the usual ``ema_p.copy_`` — storage is reused, only the values change.
 
 This module rebuilds such a cache (:class:`DataPtrCache`, memoising ``modulation(t) = W·emb(t) + b`` of a

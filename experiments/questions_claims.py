@@ -4,9 +4,9 @@ Arms, each with ``resolution="off"`` so a NaN is the optimizer's own: our KL-Sha
 (``Fusion(components={"shampoo"})`` — the coupled KL update, whose direction the spectral path RMS-matches to
 0.2, like every spectral stage), KL-Shampoo + NS5, and AdamW, at lr 3e-3 and a stress lr 3e-2, on the
 char-LM and the digits CNN. FusionOpt's standalone "KL-Shampoo" is plain Shampoo without grafting
-(ALGORITHMS.md §8b-1); that exact update is not re-implemented here, so the verdict is about KL-Shampoo as
-the paper defines it. The other two claims (fp16 NS5, AdamW + diversity penalty) are rendered from the
-q2 and q3 measurements.
+(``Taikakim/fusion-optimiser`` fusion_optimiser/optimizer.py ``_spectral_group_step``); that exact update is
+not re-implemented here, so the verdict is about KL-Shampoo as the paper defines it. The other two claims
+(fp16 NS5, AdamW + diversity penalty) are rendered from the q2 and q3 measurements.
 """
 from __future__ import annotations
 

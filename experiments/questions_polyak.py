@@ -1,6 +1,6 @@
 """Open question 5 / Polyak instrumentation — does FusionOpt's clamp(L̄/Ḡ, 0.1, 10) saturate?
 
-FusionOpt's rule (ALGORITHMS.md §7; ``nonans_optim/functional/polyak.py``): γ = lr·clamp(L̄/Ḡ, 0.1, 10) with
+FusionOpt's rule (``_update_polyak``; ``nonans_optim/functional/polyak.py``): γ = lr·clamp(L̄/Ḡ, 0.1, 10) with
 L̄, Ḡ EMAs (β 0.98) of the loss and of the mean |g|. The ratio has units (loss per unit gradient, i.e. a
 length in parameter space), so its typical value is set by the workload, not by the clamp's designer: a
 loss of ~1 and a mean |g| of ~1e-3 give ~1e3, pinned at the upper clamp. Multiplying the loss by k multiplies

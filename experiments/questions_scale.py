@@ -1,8 +1,9 @@
 """Open questions 1 (MONA's payoff against scale) and 4 (depth vs width on a DiT-style model), at CPU scale.
 
 Q1 — char-LM at widths d ∈ {32, 64, 128} (≈ 0.05–0.4 M parameters): SF-NorMuon against SF-NorMuon + MONA,
-with MONA at the library default (α = 0.1 on an EMA_0.9 of gradient differences: ALGORITHMS.md §3) and at
-α = 2 (what FusionOpt's undamped sum amounts to in EMA units, §8b-7). The question is whether the MONA
+with MONA at the library default (α = 0.1 on an EMA_0.9 of gradient differences: ``nonans_optim.Fusion``)
+and at α = 2 (what FusionOpt's 0.2 times its undamped sum A ← 0.9A + ΔG amounts to in EMA units:
+``Taikakim/fusion-optimiser`` ``_spectral_group_step``). The question is whether the MONA
 gain grows with width; three seeds at each width, same steps, same lr.
 
 Q4 — a DiT-style denoiser (patchified 8x8 digits, adaLN-zero blocks conditioned on t, rectified-flow

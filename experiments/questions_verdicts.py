@@ -261,7 +261,8 @@ def claim_shampoo_alone(d: dict[str, Any]) -> str:
     n = sum(r["diverged"] for r in rs)
     return (f"**{'Confirmed' if n else 'Refuted'} for KL-Shampoo as the paper defines it (RMS-matched).** "
             f"{n}/{len(rs)} standalone runs went NaN/Inf (lrs {d['config']['lrs']}). FusionOpt's standalone "
-            "optimizer is plain, ungrafted Shampoo (ALGORITHMS.md §8b-1), which is not re-implemented here, so its "
+            "optimizer is plain, ungrafted Shampoo (Taikakim/fusion-optimiser fusion_optimiser/optimizer.py, "
+            "`_spectral_group_step`), which is not re-implemented here, so its "
             "own divergence is neither confirmed nor refuted by this run.")
 
 

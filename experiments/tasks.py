@@ -10,7 +10,7 @@ Two real tasks that run on any machine without a download:
   split). Metric: validation error in % (lower is better); validation cross-entropy is kept too.
 
 :func:`make_optimizer` builds every optimizer of the ablation from one lr, with the library's defaults for
-everything else (spectral updates are RMS-matched to AdamW, ALGORITHMS.md "one learning rate"), and
+everything else (spectral updates are RMS-matched to AdamW, README.md "One learning rate"), and
 :func:`train` runs a fixed step budget or a fixed wall-clock budget with the schedule-free eval()/train()
 swap around every evaluation.
 """

@@ -3,7 +3,7 @@
 Variants, timed in interleaved rounds (the order rotates every round, so drifting load on a shared
 machine hits all variants alike): ``off`` (no hooks), ``watch`` (``watch(model)`` with ``reset()`` every
 step, as in a training loop) and ``anomaly`` (``torch.autograd.detect_anomaly(check_nan=True)``, the stock
-tool for the same question; PRIOR_ART.md quotes ~1.9x step time on CPU). Reported: median ms per step and
+tool for the same question). Reported: median ms per step and
 the median over rounds of the per-round ratio to ``off`` (paired, so robust to load changes between
 rounds). Writes ``results/watch_overhead.json`` with the machine description and prints a table.
 

@@ -1,6 +1,6 @@
 """Shared pieces of the fused elementwise optimizer kernels (``fused_adamw.py``, ``momentum.py``).
 
-Resolution policies (DESIGN.md "The resolution contract"):
+Resolution policies (the contract in ``nonans_optim/resolution.py``; README.md "Resolution"):
 
 * ``"repair"`` — a non-finite gradient entry is a *missing observation*: the moments keep their old value
   there (``torch.where``-style select, never a 0/1 multiply: 0·NaN is NaN) and the parameter still takes the

@@ -6,7 +6,7 @@ CPU-only machine (how CI catches compile errors). The differences are confined t
 chosen here:
 
 * ``UPCAST``: the interpreter keeps bf16 tensors as raw ``uint16`` words, so ``tl.dot`` on a bf16 tile
-  multiplies integers (DESIGN.md "Testing strategy"; ``triton/runtime/interpreter.py`` maps ``tl.bfloat16``
+  multiplies integers (``triton/runtime/interpreter.py`` maps ``tl.bfloat16``
   to ``np.uint16``). Converting with ``.to(tl.float32)`` *is* handled correctly, so under the interpreter
   every operand is upcast right after its load. A bf16 value is exact in fp32 and ``tl.dot`` accumulates
   in fp32 anyway, so the arithmetic is the same as the bf16 MMA up to summation order.

@@ -6,7 +6,7 @@
 
 Same contract as the torch reference ``nonans_optim.ns5.iterate_reference`` (the oracle): X is a
 normalised, wide (m ≤ n), contiguous (B, m, n) batch in the hot dtype; the result has X's shape and dtype.
-Per iteration this does 3m²n + m³ useful FLOPs instead of the dense 4m²n + 2m³ (PRIOR_ART.md).
+Per iteration this does 3m²n + m³ useful FLOPs instead of the dense 4m²n + 2m³ (``ns5_gram``: one triangle).
 
 ``ns5_iterate_fp16_safe`` is the rescale-restore variant (nonans_optim/ns5.py ``_FP16_SAFE_SCALE``): the
 iteration runs on X' = s·X with b' = b/s², c' = c/s⁴ — identical in exact arithmetic, since

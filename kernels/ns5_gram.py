@@ -5,7 +5,7 @@ Both are one kernel, :func:`_syrk_kernel`: ``C = alpha·(X·Xᵀ) + beta·ADD`` 
 * **One triangle.** ``X·Xᵀ`` is symmetric, so only tiles with tile_col ≥ tile_row do any work; each writes
   its block and the transposed block across the diagonal. That removes almost half of the ``X·Xᵀ`` FLOPs
   and, because ``A`` is symmetric too (``A² = A·Aᵀ``), half of the ``A²`` FLOPs: per NS5 iteration
-  3m²n + m³ instead of 4m²n + 2m³ (PRIOR_ART.md "NS5 kernels"; the technique of microsoft/dion
+  3m²n + m³ instead of 4m²n + 2m³ (the technique of microsoft/dion
   ``dion/newton_schulz_triton.py`` and modded-nanogpt ``triton_kernels.py``). Lower tiles exit at once;
   launching the full square grid keeps the grouped L2-friendly order (``_tiles.grouped_tile``).
 * **Exactly symmetric output.** On a diagonal tile the direct store writes only col ≥ row and the mirrored

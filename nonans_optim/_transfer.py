@@ -1,6 +1,6 @@
 """Host → device copies that never make the host wait.
 
-Why this exists: ``step()`` must not synchronise with a GPU (DESIGN.md, "the resolution contract"), yet a
+Why this exists: ``step()`` must not synchronise with a GPU (contract item 3, ``resolution.py``), yet a
 few small host-built tensors must reach the device inside it — index lists, parameter sizes, the compiled
 path's hyperparameters and bias corrections. ``torch.tensor(values, device="cuda")`` copies from pageable
 memory and blocks (on an H100, 2026-11-25, ``torch.cuda.set_sync_debug_mode("error")`` raised on it at the

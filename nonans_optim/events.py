@@ -29,8 +29,8 @@ PARAM_STAGES = tuple(s != "loss" for s in STAGES)
 # What was done about it, by policy. Escalation is reported separately (it rides on either action).
 ACTIONS = {"repair": "repaired", "skip": "skipped", "off": "none"}
 # ...except where "repair" held the parameter instead (no finite gradient entry, on a parameter that had an
-# event of any kind within the repeat window: it kept its value and state, as "skip" would; ALGORITHMS.md's
-# continuation step is for an isolated loss)
+# event of any kind within the repeat window: it kept its value and state, as "skip" would; the
+# continuation step of README.md's "Resolution" is for an isolated loss)
 HELD = "held"
 
 

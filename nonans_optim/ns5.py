@@ -5,7 +5,8 @@ iteration of Keller Jordan's Muon (``KellerJordan/Muon`` muon.py, ``zeropower_vi
 
     A = X Xᵀ;  X ← a X + (b A + c A²) X,   (a, b, c) = (3.4445, -4.7750, 2.0315)
 
-Why the numerics look the way they do (ALGORITHMS.md §1, PRIOR_ART.md "fp16 and NS5"):
+Why the numerics look the way they do (the 3.2 bound is derived in ``tests/test_ns5.py``; where a naive
+fp16 NS5 breaks is measured in OPEN_QUESTIONS.md, Q2):
 
 * Once ``‖X‖₂ ≤ 1`` nothing inside the quintic can overflow even fp16: every intermediate stays ≈ ≤ 3.2.
   What does fail in low precision is the *normalisation*: casting an un-normalised gradient (entries

@@ -1,6 +1,6 @@
 """The resolution stage: detect, repair and account for NaN/Inf inside ``step()`` without a host sync.
 
-The contract (DESIGN.md, "The resolution contract"):
+The contract (for users: README.md, "Resolution"; tested in ``tests/test_resolution.py``):
 
 1. finite params and state before ``step()`` ⇒ finite after it, for any pattern of NaN/±Inf in gradients
    and for non-finite values that arise inside the step;

@@ -3,7 +3,8 @@
 Spectral (NS5 family): hidden matrices — 2-D weights and conv kernels reshaped to (out, in·kh·kw), as
 Keller's Muon and Moonlight recommend. Scalar ((SF-)AdamW): biases, norms, 0-/1-D tensors, and embeddings
 and output heads, which Muon's authors exclude because their rows are lookups/logits, not linear maps
-of a hidden state (FusionOpt routes a vocab×d embedding to the spectral path: ALGORITHMS.md §8a).
+of a hidden state (FusionOpt routes a vocab×d embedding to the spectral path: ``Taikakim/fusion-optimiser``
+fusion_optimiser/groups.py ``build_fusion_param_groups`` takes every 2-D weight with min(shape) ≥ 128).
 
 Without a model or names, an embedding is indistinguishable from a hidden matrix: pass
 ``model.named_parameters()`` or use :func:`param_groups` (which also sees module types and tied weights).

@@ -1,8 +1,8 @@
 """``watch(model)``: name the first module whose forward output or backward gradient turned non-finite.
 
 Why device-side flags. ``torch.autograd.detect_anomaly`` answers the same question by checking every
-autograd node on the host (~1.9x step time on CPU, a device sync per node on GPU; PRIOR_ART.md
-"Non-finite handling"). Here every hook only *enqueues* a few tiny ops: ``(t - t).sum() != 0`` per
+autograd node on the host (roughly 2x the step time on CPU, RESULTS.md "Overhead of nonans_optim.watch()";
+a device sync per node on GPU). Here every hook only *enqueues* a few tiny ops: ``(t - t).sum() != 0`` per
 tensor (True iff some entry is NaN/±Inf; one ``aminmax`` pass for large tensors), then ``torch.where``
 writes a packed event code into a 0-d int64 flag that starts at -1 and is written only while it is still
 -1. Hooks fire in execution order, so the first write wins and the flag holds the first event, without

@@ -1,4 +1,5 @@
-"""KL-Shampoo functional core (nonans_optim/functional/kl_shampoo.py; ALGORITHMS.md §4, §8b.1).
+"""KL-Shampoo functional core (nonans_optim/functional/kl_shampoo.py; arXiv 2509.03378,
+``yorkerlin/KL-Methods`` optim/kl_opt.py).
 
 The oracle is a float64 loop written here from the formulas (not from the implementation):
     S_a ← β S_a + (1-β)/d_b · G S_b⁻¹ Gᵀ,  S_b ← β S_b + (1-β)/d_a · Gᵀ S_a⁻¹ G,

@@ -1,4 +1,4 @@
-"""Property tests for ``nonans_optim.ns5`` (ALGORITHMS.md §1, PRIOR_ART.md "fp16 and NS5").
+"""Property tests for ``nonans_optim.ns5`` (the numerics its module docstring states).
 
 The quintic p(σ) = aσ + bσ³ + cσ⁵ with Keller's (a, b, c) acts on each singular value of the normalised
 input independently, so every spectral claim below is derived from p in float64 (``p5_band``):
@@ -364,7 +364,7 @@ def intermediates_max(G: np.ndarray) -> dict[str, float]:
 def test_polynomial_cannot_overflow_fp16():
     """With ‖X‖₂ ≤ s = 1.2024 (module docstring) entries are bounded by spectral norms: |A| ≤ s² = 1.446,
     |A²| ≤ s⁴ = 2.090, |B| ≤ max_λ∈[0,s²] |bλ + cλ²| = 2.806 (λ = 1.175), |BX| ≤ max_σ≤s |bσ³ + cσ⁵| =
-    3.199 (σ = 1.1875) — ALGORITHMS.md's 3.2 is this BX bound. The scaled summands inside the fused
+    3.199 (σ = 1.1875) — the ≈ 3.2 of ns5.py's docstring is this BX bound. The scaled summands inside the fused
     epilogues are larger but still tiny for fp16: |a·X| ≤ 4.142, |b·A| ≤ 6.904, |c·A²| ≤ 4.246.
     Measured on 128²: heavy-tailed (Cauchy) inputs come closest (BX 3.19, bA 6.86)."""
     a, b, c = KELLER_COEFFICIENTS

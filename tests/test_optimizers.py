@@ -647,7 +647,7 @@ def test_gamma_curr_is_the_last_steps_under_a_scheduler():
 def test_presets_are_the_documented_component_sets_and_defaults(cls, components, defaults, polyak):
     """Each preset is a named algorithm: a component dropped (FullFusion without KL-Shampoo, SFNorMuon
     without NorMuon) or a default changed still trains the generic suite's tiny model, so nothing else
-    notices. Pins the components, the preset defaults (docstrings, ALGORITHMS.md §6), the shared Fusion
+    notices. Pins the components, the preset defaults (their docstrings give sources), the shared Fusion
     defaults, Polyak on/off and the schedule-free flag."""
     opt = cls(make_model().parameters())
     assert opt.components == frozenset(components)

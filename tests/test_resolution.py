@@ -1,4 +1,4 @@
-"""The resolution contract (DESIGN.md): invariant, preserved moments, accounting, policies, escalation."""
+"""The resolution contract (``resolution.py``): invariant, preserved moments, accounting, policies, escalation."""
 from __future__ import annotations
 
 import copy

@@ -1,7 +1,7 @@
 """KL-Shampoo as its reference code runs it: the "stock" arm of workload 5.
 
-This is a foil, written from the description in ALGORITHMS.md §4 (arXiv 2509.03378; the behaviour of
-``yorkerlin/KL-Methods`` optim/kl_opt.py, ``KLOpt(using_klsoap=False)`` with its code defaults), so that the
+This is a foil, written from arXiv 2509.03378 and the behaviour of ``yorkerlin/KL-Methods`` optim/kl_opt.py
+(``KLOpt(using_klsoap=False)`` with its code defaults), so that the
 benchmark compares the library against what a user of the published optimizer actually gets — not against
 the library's own KL-Shampoo component, which RMS-matches its update and therefore cannot run away.
 

@@ -2,7 +2,7 @@
 
 Same model, same clean gradient, two optimizers built from identical copies; their ``step()`` calls are
 timed alternately (so machine noise hits both alike) and the ratio of medians is reported. Only a ratio is
-meaningful on a shared CPU (DESIGN.md, "Performance principles").
+meaningful on a shared CPU.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 1. NS5 in an fp16 hot dtype on a model whose gradients have large norms: a regression on un-normalised
    targets (prices in currency units). The common NS5 casts the momentum to fp16 *before* normalising, so
-   an entry above 65504 becomes Inf and the normalisation makes it NaN (PRIOR_ART.md "fp16 and NS5").
+   an entry above 65504 becomes Inf and the normalisation makes it NaN (OPEN_QUESTIONS.md Q2 traces where it breaks).
    The library's ``ns5`` normalises in fp32 first, so the same fp16 hot dtype is safe: this workload is
    *avoided* by construction, not repaired — expect zero resolution events on it.
 5. KL-Shampoo alone (FusionOpt's docs report its standalone KL-Shampoo diverging) against KL-Shampoo

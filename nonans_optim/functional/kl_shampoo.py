@@ -6,8 +6,9 @@ the two factors: each is accumulated from the gradient *whitened by the other fa
 
     S_a ← β S_a + (1-β)/d_b · G S_b⁻¹ Gᵀ          S_b ← β S_b + (1-β)/d_a · Gᵀ S_a⁻¹ G
 
-(plain Shampoo uses the raw G Gᵀ, Gᵀ G — FusionOpt's "KL-Shampoo" is that, ALGORITHMS.md §8b.1), and the
-direction is preconditioned with exponent −1/2 *per factor* (Shampoo uses −1/4):
+(plain Shampoo uses the raw G Gᵀ, Gᵀ G — FusionOpt's "KL-Shampoo" is that: ``Taikakim/fusion-optimiser``
+fusion_optimiser/optimizer.py ``_spectral_group_step``), and the direction is preconditioned with exponent
+−1/2 *per factor* (Shampoo uses −1/4):
 
     P = S_a^{-1/2} M S_b^{-1/2} = Q_a [ (Q_aᵀ M Q_b) ⊙ (d_a^{-1/2} d_b^{-1/2}ᵀ) ] Q_bᵀ.
 
@@ -23,7 +24,7 @@ Deviations from kl_opt.py, each for a reason:
   on the host (a sync). Here the first basis is one power iteration from the identity, qr(S·I); the
   eigenvalues are set to ``init_factor`` anyway (kl_opt.py ``get_orthogonal_matrix`` discards the eigh
   values), so only the basis differs, and the periodic refresh converges it to the eigenbasis.
-* **fp32 state**, not bf16 (``cast_dtype``): bf16 factors lose the small eigenvalues (ALGORITHMS.md §4).
+* **fp32 state**, not bf16 (``cast_dtype``): bf16 factors, with 8 significant bits, lose the small eigenvalues.
 * **Inverse roots are floored, never zeroed.** kl_opt.py passes 1/√D through ``nan_to_num(→0)``, which
   silently *zeroes* a direction whose eigenvalue underflowed or overflowed, then clamps 1/√D ≤
   max(10, min(dim, 4000)) in absolute terms. Here D is floored *relative to the largest eigenvalue of the

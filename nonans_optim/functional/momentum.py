@@ -2,11 +2,13 @@
 
 Momentum (Muon form, ``KellerJordan/Muon`` ``muon_update``): B ← μB + (1-μ)G̃ (a lerp), and with Nesterov
 the direction input is M = (1-μ)G̃ + μB (a second lerp). The (1-μ) factor matters when neither NS5 nor
-NorMuon renormalises the result (FusionOpt drops it: 20x larger steps; ALGORITHMS.md §8b.2).
+NorMuon renormalises the result (FusionOpt drops it, B ← μB + G in ``Taikakim/fusion-optimiser``
+fusion_optimiser/optimizer.py ``_spectral_group_step``: 1/(1-μ) = 20x larger steps at μ = 0.95).
 
-MONA (arXiv 2605.26842; ALGORITHMS.md §3 — only the abstract is primary, the form below is the secondary
-consensus): D = G - G_prev, A ← β_a A + (1-β_a) D, G̃ = G + α A. ``G_prev`` starts as the first gradient,
-so step 1 adds no spurious α·G₁ kick (FusionOpt starts it at zero).
+MONA (arXiv 2605.26842 — its abstract adds an EMA of gradient differences to Muon's gradient; the form
+below is re-implementations' reading of it, unconfirmed against the paper's method section): D = G - G_prev,
+A ← β_a A + (1-β_a) D, G̃ = G + α A. ``G_prev`` starts as the first gradient, so step 1 adds no spurious
+α·G₁ kick (FusionOpt starts it at zero).
 
 Resolution: an entry where G is not finite is a missing observation. MONA keeps both of its buffers
 (G_prev and A) at their previous values there; the momentum lerp gets G̃ := B at that entry, which leaves B

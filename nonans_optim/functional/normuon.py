@@ -7,8 +7,9 @@ Paper form, per matrix O = NS5(M) of shape m×n (rows = output neurons):
     update = 0.2 · sqrt(m·n) · Ô / ‖Ô‖_F        (update RMS exactly 0.2)
 
 The global renormalisation is what makes the missing bias correction harmless: FusionOpt's row-*sum*
-variant without it makes step 1 about 4.47x too large (ALGORITHMS.md §8b.6). A zero ‖Ô‖_F (zero momentum)
-gives a zero update rather than 0/0.
+variant without it (``Taikakim/fusion-optimiser`` fusion_optimiser/optimizer.py ``_spectral_group_step``)
+makes step 1 about 1/√(1-β₂) = 4.47x too large. A zero ‖Ô‖_F (zero momentum) gives a zero update rather
+than 0/0.
 
 Overflow. NS5's output is bounded (unit-norm input, singular values pushed towards 1), so with NS5 every
 square and sum below stays far inside fp32 (``bounded=True``: the arithmetic as written). Without NS5, O is

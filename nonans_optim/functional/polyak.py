@@ -1,7 +1,7 @@
 """FusionOpt's Polyak-style step multiplier, on the device and NaN-safe.
 
-Rule (``Taikakim/fusion-optimiser`` ``_update_polyak``; ALGORITHMS.md §7): L̄ and Ḡ are EMAs (β = 0.98) of
-the loss and of the mean |g| over all parameters, each seeded with its first value; the step is
+Rule (``Taikakim/fusion-optimiser`` fusion_optimiser/optimizer.py ``_update_polyak``): L̄ and Ḡ are EMAs
+(β = 0.98) of the loss and of the mean |g| over all parameters, each seeded with its first value; the step is
 γ = lr · clamp(L̄ / Ḡ, 0.1, 10). This is *not* ScheduleFree+'s rule (no ⟨g, z-x⟩ term, no √(π/2), no
 max(0, ·)); whether its clamp saturates is FusionOpt's open question 5.
 

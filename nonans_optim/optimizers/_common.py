@@ -126,7 +126,7 @@ def keep_flags(ctx: dict[str, Any], indices: list[int], grads: list[Tally]) -> l
     """Per tensor, 0-d bool: *not* held. Held: the tensor's gradient had no finite entry *and* the
     parameter had an event within the repeat window — a persistent loss of observations, where continuing
     from momentum only drifts. An isolated whole-tensor event still takes its continuation step
-    (DESIGN.md contract item 2). Computed for the group at once (four ops, not three per tensor)."""
+    (README.md, "Resolution"). Computed for the group at once (four ops, not three per tensor)."""
     if not grads:
         return []
     recent = recent_flags(ctx)

@@ -91,7 +91,7 @@ class SFAdamW(_ScalarOnly):
     opt-in (default None) for the reason :class:`AdamW` gives.
 
     Where it differs from ``schedulefree.AdamWScheduleFree`` (facebookresearch/schedule_free) besides weight
-    decay at z and the averaging weight from η_t² (ALGORITHMS.md): the bias correction counts each
+    decay at z and the averaging weight from η_t² (as SF-NorMuon, arXiv 2605.23061): the bias correction counts each
     parameter's own steps (``state['step']``, as torch's AdamW), not the group's — a parameter that skipped
     steps (no gradient) differs, every other is the same to fp32 rounding (an audit, 2026-11-26: 6.8e-3 on
     one that skipped 7 of 20 steps); and a new optimizer starts in train mode (the reference raises on a

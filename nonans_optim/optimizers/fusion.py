@@ -50,7 +50,7 @@ class Fusion(NonansOptimizer):
         sf_beta: spectral schedule-free interpolation weight β of y = (1-β) z + β x.
         normuon_beta2, normuon_eps: NorMuon row second moment.
         mona_alpha, mona_beta: MONA G̃ = G + α·EMA_β(G - G_prev). Defaults are the secondary sources'
-            (+0.1, 0.9): the paper's values are unconfirmed (ALGORITHMS.md §3).
+            (+0.1, 0.9): the paper's values (arXiv 2605.26842) are unconfirmed.
         shampoo_beta, shampoo_refresh_every: KL-Shampoo factor EMA and QR basis refresh period.
         ns_steps, ns5_dtype: NS5 iterations and hot dtype ("auto", "bf16", "fp32", "fp16", "fp16_safe").
         momentum_dtype: storage of the spectral ``momentum_buffer``: "param" (the parameter's dtype),
@@ -267,7 +267,7 @@ class SFNorMuon(Fusion):
     """Schedule-free NorMuon (SF-NorMuon, arXiv 2605.23061): components {ns5, normuon, sf}.
 
     Momentum μ = 0.8 and weight decay 0.05 are the values a re-implementation attributes to the paper's
-    Appendix F (unconfirmed, ALGORITHMS.md §6)."""
+    Appendix F (unconfirmed against the paper)."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.05, *, momentum: float = 0.8,
                  **kwargs):
