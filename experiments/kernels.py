@@ -38,6 +38,7 @@ import torch
 from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, bench_spectral_step,
                                       device_time_per_step, gbps, render_fused_step, render_spectral_step,
                                       render_sweep)
+from experiments.questions_io import at_commit, checkout_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "results" / "kernels.json"
@@ -254,7 +255,7 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
     spectral = bench_spectral_step(timer, device, log, None if dry_run else device_time_per_step,
                                    **(dict(shape=(16, 24), matrices=2) if dry_run else {}))
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": checkout_commit(),
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
             "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows), "fp16_safe": fp16_safe,
@@ -265,7 +266,7 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
 def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section of one run (tables from the JSON; nothing typed by hand)."""
     t, c, e, f = data["targets"], data["crossover"], data["elementwise"], data.get("fused_step")
-    when = f", measured {data['date']}" if "date" in data else ""  # (recorded since 2026-11-25)
+    when = f", measured {data['date']}{at_commit(data)}" if "date" in data else ""  # (recorded since 2026-11-25)
     lines = [f"Command: `{data['command']}` (JSON: `results/kernels.json`) on {data['device']}, torch "
              f"{data['torch']}, triton {data['triton']}{when}. Anchors: bf16 matmul {data['matmul_bf16_tflops']:.0f} "
              f"TFLOP/s, copy {data['copy_gbps']:.0f} GB/s (read + write). NS5: {ITERATIONS} bf16 iterations; "

@@ -40,7 +40,7 @@ from nonans_optim.optimizers._fused import auto_choice
 from experiments._models import MODELS, QUICK, GPTConfig, build_gpt, random_batch, synthetic_grads
 from experiments.overhead_controls import build_optimizer, fresh_controls, spread, switched
 from experiments.overhead_controls import render as render_controls
-from experiments.questions_io import env_prefix, publish
+from experiments.questions_io import at_commit, env_prefix, publish
 from experiments.step_time import ROOT, interleaved, machine_info, sync
 
 LR = 1e-3
@@ -270,7 +270,7 @@ def render(data: dict[str, Any]) -> str:
     where = (f"GPU {data['device']}" if gpu else
              f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads")
     json_path = data.get("json", "results/overhead.json")
-    lines = [f"Command: `{data['command']}` (JSON: `{json_path}`), measured {m['date']} on "
+    lines = [f"Command: `{data['command']}` (JSON: `{json_path}`), measured {m['date']}{at_commit(m)} on "
              f"{where}, torch {m['torch']}; load average {m['loadavg_start'][0]:.1f} → "
              f"{m['loadavg_end'][0]:.1f}.",
              f"Clean steps only. GPT-like d={data['model']['d']}, {data['model']['layers']} layers"

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["ROOT", "RESULTS", "write_json", "read_json", "new_figure", "save_figure", "wandb_run",
-           "replace_section", "md_table", "fmt", "mean_sd", "environment", "checkout_commit", "env_prefix",
+           "replace_section", "md_table", "fmt", "mean_sd", "environment", "checkout_commit", "at_commit", "env_prefix",
            "SWITCHES"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +30,7 @@ def environment() -> dict[str, Any]:
     """Where the numbers were measured (they are CPU numbers and noisy: say so next to them)."""
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": checkout_commit()}
 
 
 # The library's switches that change what a measurement runs (the cache directory does not).
@@ -44,19 +44,32 @@ def env_prefix() -> str:
     return "".join(f"{k}={shlex.quote(os.environ[k])} " for k in SWITCHES if k in os.environ)
 
 
-def checkout_commit(path: str) -> str:
-    """The checkout's short commit, marked "+changes" when ``path`` (the code the numbers measure, relative
-    to the repository) differs from it; "unknown" outside a git checkout."""
+#: The code every measurement runs: what a JSON's "commit" is checked against (``checkout_commit``).
+MEASURED_CODE = ("nonans_optim", "kernels", "experiments")
+
+
+def checkout_commit(*paths: str) -> str:
+    """The checkout's short commit, marked "+changes" when ``paths`` (the code the numbers measure, relative
+    to the repository; :data:`MEASURED_CODE` when none is given) differ from it; "unknown" outside a git
+    checkout. Recorded in every experiment's JSON (``environment()``, ``step_time.machine_info()``), so that
+    which published table describes older code can be read off ``git log <commit>..``."""
+    paths = paths or MEASURED_CODE
     def git(*a: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
     try:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return "unknown"
-        dirty = git("diff", "--quiet", "HEAD", "--", path).returncode != 0
+        dirty = git("diff", "--quiet", "HEAD", "--", *paths).returncode != 0
     except OSError:  # no git on this machine
         return "unknown"
     return head.stdout.strip() + ("+changes" if dirty else "")
+
+
+def at_commit(env: dict[str, Any]) -> str:
+    """" at commit <c>" for a rendered "measured <date>", where the run recorded one (runs since 2026-11-26;
+    older JSON renders as it did)."""
+    return f" at commit {env['commit']}" if env.get("commit") else ""
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:

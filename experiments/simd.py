@@ -30,7 +30,7 @@ import torch
 
 import nonans_optim as no
 from experiments.overhead_controls import over_builds, spread, switched
-from experiments.questions_io import fmt, publish
+from experiments.questions_io import at_commit, fmt, publish
 from experiments.render import SECTIONS
 from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
 
@@ -136,7 +136,7 @@ def _name(b: dict[str, Any]) -> str:
 
 def render(data: dict[str, Any]) -> str:
     m = data["machine"]
-    lines = [f"Command: `{data['command']}` (JSON: `results/{JSON[section(data)]}`), measured {m['date']} on {m['cpu']}, "
+    lines = [f"Command: `{data['command']}` (JSON: `results/{JSON[section(data)]}`), measured {m['date']}{at_commit(m)} on {m['cpu']}, "
              f"{m['cores']} cores, {data['threads']} torch threads, torch {m['torch']}; CPU SIMD flags: "
              f"{', '.join(data['cpu_flags']) or 'none'}. Clean steps of the default `impl` (the native loops) on "
              "one fp32 tensor; each build in fresh processes of its own; in each, one optimizer whose policy is "

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .questions_io import RESULTS, ROOT, environment, fmt, md_table, publish
+from .questions_io import RESULTS, ROOT, at_commit, environment, fmt, md_table, publish
 from .spikes import _NAMES, CONDITIONS, DEFAULT_STEPS, TOLERANCE, _excess, run_one
 from .spikes import summarise as spikes_summarise
 
@@ -115,7 +115,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     cfg, summ = data["config"], summarise(data)
     arms = list(cfg["arms"])
-    parts = [f"Command: `{COMMAND}` (JSON: `results/spike_guards.json`); measured {data['env']['date']}, "
+    parts = [f"Command: `{COMMAND}` (JSON: `results/spike_guards.json`); measured {data['env']['date']}{at_commit(data['env'])}, "
              f"{cfg['threads']} CPU thread(s), wall {fmt(data.get('wall_s'), 3)} s. AdamW (lr 0.003, library "
              f"defaults otherwise) on the tasks, conditions, spike steps and pairing of `python -m experiments "
              f"spikes`: {cfg['steps']} steps, {cfg['seeds']} seeds. Element-wise arms clip gᵢ to "

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.questions_io import publish
+from experiments.questions_io import at_commit, checkout_commit, publish
 
 import nonans_optim as no
 from nonans_optim._checkpoint import GLOBAL_KEY
@@ -53,7 +53,7 @@ def machine_info() -> dict[str, Any]:
     info = {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "loadavg_start": list(os.getloadavg()),
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": checkout_commit()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -320,7 +320,7 @@ def _targets(by: dict[str, dict], fastest: str | None) -> list[dict[str, Any]]:
 
 def render(data: dict[str, Any]) -> str:
     m, s = data["machine"], data["settings"]
-    lines = [f"Command: `{data['command']}` (JSON: `results/step_time.json`), measured {m['date']}.",
+    lines = [f"Command: `{data['command']}` (JSON: `results/step_time.json`), measured {m['date']}{at_commit(m)}.",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, {m['platform']}, "
              f"torch {m['torch']}; load average {m['loadavg_start'][0]:.1f} → {m['loadavg_end'][0]:.1f} "
              "(a shared machine: compare ratios within this run, not absolute times across runs).",

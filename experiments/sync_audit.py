@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from experiments.host_profile import function_diff, host_profile, triton_summary
-from experiments.questions_io import ROOT, env_prefix, publish
+from experiments.questions_io import ROOT, at_commit, checkout_commit, env_prefix, publish
 
 JSON_PATH = ROOT / "results" / "sync_audit.json"
 
@@ -124,13 +124,13 @@ def run(steps: int = 3, defaults_only: bool = False, host_steps: int = 10) -> di
     return {"command": env_prefix() + "python -m experiments sync-audit" + (" --defaults" if defaults_only else "")
             + (f" --host-steps {host_steps}" if host_steps != 10 else ""),
             "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "rows": rows}
+            "commit": checkout_commit(), "torch": torch.__version__, "rows": rows}
 
 
 def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section of one audit (from its JSON; nothing typed by hand)."""
     # (the date since 2026-11-25: which code a count belongs to is in the session notes of that day)
-    when = f", measured {data['date']}" if "date" in data else ""
+    when = f", measured {data['date']}{at_commit(data)}" if "date" in data else ""
     lines = [f"Command: `{data['command']}` (JSON: `results/sync_audit.json`) on {data['device']}, torch "
              f"{data['torch']}{when}. "
              + ("Each optimizer as constructed by default (`impl=\"auto\"`)" if "--defaults" in data["command"] else

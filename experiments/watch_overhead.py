@@ -12,6 +12,7 @@ rounds). Writes ``results/watch_overhead.json`` with the machine description and
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from experiments.questions_io import at_commit, checkout_commit
 from nonans_optim.watch import watch
 
 VARIANTS = ("off", "watch", "anomaly")
@@ -105,7 +107,8 @@ def measure(name: str, model, inp, loss_fn, rounds: int, steps: int, variants) -
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": checkout_commit()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +157,8 @@ def render(result: dict) -> str:
     """Markdown table of one run's JSON (ratios are medians of paired per-round ratios)."""
     from experiments.questions_io import md_table
     m = result["machine"]
-    lines = [f"Command: `{result['command']}` (JSON: `results/watch_overhead.json`); {m['platform']}, "
+    lines = [f"Command: `{result['command']}` (JSON: `results/watch_overhead.json`); "
+             + (f"measured {m['date']}{at_commit(m)}, " if "date" in m else "") + f"{m['platform']}, "
              f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['torch_threads']} thread(s). Forward + backward "
              "time with `watch(model)` attached vs without, and `torch.autograd.detect_anomaly` as the "
              "reference; CPU timings from a shared machine: read the ratios.", ""]

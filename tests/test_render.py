@@ -156,3 +156,24 @@ def test_fused_step_bandwidth_target_has_a_verdict():
              repair_vs_torch_fused=1.0)
     assert "copy bandwidth: met (0.93" in "\n".join(render_fused_step(f, 300.0))
     assert "copy bandwidth: MISSED (0.70" in "\n".join(render_fused_step(f, 400.0))
+
+
+def test_runs_record_the_commit_they_measured_and_sections_name_it():
+    """Every run records the checkout's commit (marked "+changes" when the measured code differs from it), and
+    the sections name it, so that a table describing older code can be told from the code (an audit found
+    most JSON without one: which tables were stale could not be read off them)."""
+    import json
+
+    from experiments import overhead, simd, step_time
+    from experiments.bench import machine
+    from experiments.questions_io import checkout_commit, environment
+
+    commit = checkout_commit()
+    if (ROOT / ".git").exists():  # a git checkout (CI's is); a source tarball records "unknown"
+        assert commit != "unknown" and commit.split("+")[0].isalnum()
+    assert environment()["commit"] == step_time.machine_info()["commit"] == machine()["commit"] == commit
+    for module, name in ((overhead, "overhead.json"), (simd, "simd.json"), (step_time, "step_time.json")):
+        data = json.loads((ROOT / "results" / name).read_text())
+        assert " at commit " not in module.render(data)  # older JSON renders as it did
+        data["machine"]["commit"] = "abc1234+changes"
+        assert "at commit abc1234+changes" in module.render(data), name

@@ -9,6 +9,7 @@ three. CPU defaults use fixed seeds; ``--scale`` runs the larger sizes (meant fo
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -16,6 +17,8 @@ import sys
 import time
 
 import torch
+
+from experiments.questions_io import checkout_commit
 
 from .arms import OURS_ARMS, STOCK_ARMS, peer_arms, peer_status
 from .harness import run_arm
@@ -29,7 +32,8 @@ __all__ = ["main", "run_group", "machine"]
 def machine() -> dict:
     return dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
                 cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
-                cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+                cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), commit=checkout_commit())
 
 
 def _progress(total: int, desc: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from experiments.questions_io import replace_section
+from experiments.questions_io import at_commit, replace_section
 
 __all__ = ["compare", "render_markdown", "write_results_section", "plot"]
 
@@ -61,7 +61,8 @@ def render_markdown(results: dict) -> str:
     m, cmp_ = results["machine"], results["compare"]
     lines = [
         "## Singularity benchmark (`python -m experiments bench`)", "",
-        f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, size `{results['size']}`, "
+        (f"Measured {m['date']}{at_commit(m)}. " if "date" in m else "")
+        + f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, size `{results['size']}`, "
         f"seed {results['seed']}, wall time {results['wall_s']:.0f} s. Peers: "
         + ", ".join(f"{k} ({v})" for k, v in results["peers"].items()) + ".", "",
         "| workload | baseline completes | baseline: 1st non-finite step / non-finite losses | clean ref | baseline | nonans "
