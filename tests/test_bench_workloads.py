@@ -106,3 +106,18 @@ def test_bench_cli_with_empty_results_md_writes_json_and_leaves_markdown(tmp_pat
     assert set(data["workloads"]) == {"w8_fault_injection"}
     assert "| workload |" in proc.stdout  # the table is printed ...
     assert (root / "RESULTS.md").read_text() == published  # ... and no RESULTS.md section was written
+
+
+def test_report_states_each_outcome_from_the_numbers():
+    """The bench section says where a "claimed:" hazard did not happen (refuted at that size) and which arm
+    ended better where the baseline completed: an audit found the KL-Shampoo row's refutation, and nonans
+    ending 68% worse there, in no sentence of the section."""
+    from experiments.bench.report import _outcome
+    wl = dict(cause="claimed: it diverges")
+    row = dict(baseline_completed=True, baseline_first_nonfinite=None, baseline_metric=0.448, nonans_metric=0.752)
+    text = _outcome(row, wl)
+    assert "refuted at this size" in text and "nonans ended worse" in text and "+68%" in text
+    diverged = {**row, "baseline_completed": False, "baseline_first_nonfinite": 12, "baseline_metric": None}
+    assert _outcome(diverged, wl) == ""  # the claim held: nothing refuted, no completed baseline to compare
+    assert "nonans ended better" in _outcome({**row, "nonans_metric": 0.3}, dict(cause="a measured hazard"))
+    assert "refuted" not in _outcome(row, dict(cause="a measured hazard"))

@@ -56,6 +56,23 @@ def compare(records: dict[str, dict[str, dict]], overhead: dict[str, dict]) -> d
     return out
 
 
+def _outcome(row: dict, wl: dict) -> str:
+    """What the row says against the workload's premise and its baseline, derived from the numbers: a
+    "claimed:" hazard the stock arm survived is refuted at this size, and where the baseline completed, which
+    arm ended with the better metric (lower is better) — a workload where repair ends worse is published as
+    such."""
+    parts = []
+    if wl["cause"].startswith("claimed:") and row["baseline_completed"] and row["baseline_first_nonfinite"] is None:
+        parts.append("the claim is refuted at this size: the stock arm completed without a non-finite step")
+    b, n = row["baseline_metric"], row["nonans_metric"]
+    if row["baseline_completed"] and isinstance(b, float) and isinstance(n, float) and math.isfinite(b) \
+            and math.isfinite(n) and b > 0:
+        word = "better" if n < b else "worse" if n > b else "the same"
+        parts.append(f"nonans ended {word} than the completed baseline ({_fmt(n)} vs {_fmt(b)}, "
+                     f"{100 * (n / b - 1):+.0f}%)")
+    return f" **Outcome:** {'; '.join(parts)}." if parts else ""
+
+
 def render_markdown(results: dict) -> str:
     """The RESULTS.md section for a bench JSON (``results/bench.json``)."""
     m, cmp_ = results["machine"], results["compare"]
@@ -85,7 +102,8 @@ def render_markdown(results: dict) -> str:
     lines += ["", "Metrics are lower-is-better, in fp32 on held-out data; the metric and cause per workload:", ""]
     for key, wl in results["workloads"].items():
         note = f" {wl['notes']}." if wl.get("notes") else ""
-        lines.append(f"- **{wl['title']}** ({wl['metric']}; guards: {wl['guards']}): {wl['cause']}.{note}")
+        outcome = _outcome(cmp_[key], wl) if key in cmp_ else ""
+        lines.append(f"- **{wl['title']}** ({wl['metric']}; guards: {wl['guards']}): {wl['cause']}.{note}{outcome}")
     lines += ["", "Baseline = stock optimizer + guards; it *completes* when it reaches the last step with finite "
               "parameters and metric (GradScaler completes by skipping steps: those count as steps lost). "
               "Non-finite losses = steps whose forward pass itself overflowed (a GradScaler run with many of "
