@@ -177,3 +177,20 @@ def test_runs_record_the_commit_they_measured_and_sections_name_it():
         assert " at commit " not in module.render(data)  # older JSON renders as it did
         data["machine"]["commit"] = "abc1234+changes"
         assert "at commit abc1234+changes" in module.render(data), name
+
+
+def test_cpu_verdicts_judge_every_row_and_say_what_noise_does_not_resolve():
+    """The simd verdict judges every size it ran, to four decimals (the 65,536-entry rows were left out, and
+    1.0204 printed as a missed "1.020"); the overhead verdict says when a median under the target has an
+    upper quartile over it and no fresh-process control (SF-NorMuon's +1.7% with 0.934–1.049)."""
+    import json
+
+    from experiments import overhead, simd
+
+    data = json.loads((ROOT / "results" / "simd_avx512.json").read_text())
+    text = simd.render(data)
+    assert "at every size run" in text and "SFAdamW at 16,777,216 (1.0204)" in text and "at 65,536 (" in text
+    data = json.loads((ROOT / "results" / "overhead.json").read_text())
+    text = overhead.render(data)
+    assert "SFNorMuon (fused) (+1.7%, upper quartile 1.049: not resolved)" in text
+    assert "AdamW (fused) (+2.2%, controls)" in text  # a row with controls is judged on them, no quartile note
