@@ -164,8 +164,8 @@ def render(data: dict[str, Any]) -> str:
         # 1.0204 misses the 1.02 target, which three decimals would show as 1.020
         over = [f"{r['optimizer']} at {r['entries']:,} ({r['repair']['median']:.4f})" for r in default["rows"]
                 if r["repair"]["median"] > TARGET]
-        lines.append(f"Against the CPU target (repair ≤ {TARGET:.2f}× off), the default build here ({_name(default)}), "
-                     "at every size run: " + ("met by every row." if not over else "MISSED by " + ", ".join(over) + "."))
+        lines.append(f"Against the CPU target (repair ≤ {TARGET:.2f}× off), the default build here "
+                     f"({_name(default)}), at every size run: " + ("met by every row." if not over else "MISSED by " + ", ".join(over) + "."))
     return "\n".join(lines)
 
 
