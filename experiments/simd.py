@@ -165,7 +165,8 @@ def render(data: dict[str, Any]) -> str:
         over = [f"{r['optimizer']} at {r['entries']:,} ({r['repair']['median']:.4f})" for r in default["rows"]
                 if r["repair"]["median"] > TARGET]
         lines.append(f"Against the CPU target (repair ≤ {TARGET:.2f}× off), the default build here "
-                     f"({_name(default)}), at every size run: " + ("met by every row." if not over else "MISSED by " + ", ".join(over) + "."))
+                     f"({_name(default)}), at every size run: "
+                     + ("met by every row." if not over else "MISSED by " + ", ".join(over) + "."))
     return "\n".join(lines)
 
 
