@@ -57,9 +57,10 @@ def v_q2(d: dict[str, Any]) -> str:
             f"it broke in {len(at1)} families up to {max(d['sizes'])}²: the failure point is set by the entry "
             "scale (‖G‖_F or max|G| > 65504 → cast/norm overflow → silent zero or NaN; tiny entries flush to 0), "
             f"{size_txt}. Our fp32 normalisation before the cast failed in "
-            f"{len(ours_fail)} cases (fp16 and fp16_safe). **GPU plan:** time `ns5(dtype='fp16_safe')` against "
-            "bf16 and the kernels helper's fused-rescale `ns5_iterate_fp16_safe` at 256²–8192² on an H100 "
-            "(`python -m experiments kernels`), and repeat the trace in training with and without Shampoo.")
+            f"{len(ours_fail)} cases (fp16 and fp16_safe). **GPU part:** the timing of the fused-rescale "
+            "`ns5_iterate_fp16_safe` against the unfused sequence and plain fp16/bf16 comes from `python -m "
+            "experiments kernels` on a GPU (below, once run there); still to do: the trace in training with and "
+            "without Shampoo.")
 
 
 def q2_gpu(kernels: dict[str, Any] | None) -> str:
