@@ -116,13 +116,16 @@ def _add_count(ROW, OFFSET: tl.constexpr, n):
 # a block with an event expands them into the int64 bit fields of its counts and sums those
 # (:func:`_packed_counts`): 108 registers (104 schedule-free), 14 barriers in the PTX, of which a clean
 # block runs the max's alone — and it skips the expansion, which is most of the counting's instructions
-# (the gated variant compiles to 2456 SASS instructions, 1720 without counts, off 1512). Since then the
-# update speculates (scalar_step._speculative_block: 77 registers, three blocks per SM as "off"), and the
-# counts are packed only where it recomputes. Every count in this comment is triton 3.9's compile; the GPU
-# image's triton 3.6 allocates more (its own kernel-static section: 904171a's gated update 173 registers, the
-# speculative one 122, two blocks per SM). Static counts of the compiled kernels: `python -m experiments
-# kernel-static` (RESULTS.md, both "kernel-static" sections, before and after); what they do to the time is
-# for a GPU run of `python -m experiments kernels` to say (its per-kernel table).
+# (the gated variant compiles to 2456 SASS instructions, off 1512: kernel-static as published at 55a6a4c;
+# 1720 without counts: a scratch cuobjdump, 2026-11-26, commit 989996a, not published). Since then the update
+# speculates (scalar_step._speculative_block: the "AdamW, repair" row, 80 registers, three blocks per SM as
+# "off"; results/kernel_static.json), and the counts are packed only where it recomputes. Every count above is
+# triton 3.9's compile; the GPU image's triton 3.6 allocates differently (its own kernel-static section,
+# results/kernel_static_triton-3.6.json, "AdamW, repair": 904171a's gated update 173 registers, one block per
+# SM; the speculative one 76, three blocks per SM). Static counts of the compiled kernels: `python -m
+# experiments kernel-static` (RESULTS.md, both "Static sm_90 resources of the fused kernels" sections, before
+# and after); what they do to the time is for a GPU run of `python -m experiments kernels` to say (its
+# per-kernel table).
 _B_GRAD_NAN = tl.constexpr(0)
 _B_GRAD_INF = tl.constexpr(1)
 _B_MOMENT = tl.constexpr(2)

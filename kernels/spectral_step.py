@@ -1,11 +1,12 @@
 """The elementwise work around NS5 on the spectral path as multi-tensor Triton launches (CUDA).
 
 What ``impl="fused"`` runs on a GPU for NS5 groups with any of MONA, KL-Shampoo, NorMuon and schedule-free —
-SF-NorMuon, FullFusion, Muon — where the foreach path issues a few dozen small launches per matrix (about 80
-under "repair", 27 under "off": RESULTS.md, "sync-audit"), and a step of a small model is bound by the host
-issuing them. The arithmetic is that of ``nonans_optim/optimizers/_compiled_spectral.py`` (``_pre`` and
-``_post``), whose CPU twin is ``nonans_optim/native/spectral_pre.c`` / ``spectral_post.c``; the ground truth
-is ``impl="loop"`` (tests/test_kernels_spectral_step.py compares with it under every policy, with faults).
+SF-NorMuon, FullFusion, Muon — where the foreach path issues a few dozen small launches per matrix (SF-NorMuon's
+GPT step: 4244 under "repair", 752 under "off" on an H100, the sync-audit of 2026-11-25 as published at commit
+42143de, no longer in RESULTS.md), and a step of a small model is bound by the host issuing them. The arithmetic
+is that of ``nonans_optim/optimizers/_compiled_spectral.py`` (``_pre`` and ``_post``), whose CPU twin is
+``nonans_optim/native/spectral_pre.c`` / ``spectral_post.c``; the ground truth is ``impl="loop"``
+(tests/test_kernels_spectral_step.py compares with it under every policy, with faults).
 
 Launches per group (no host synchronisation: each decision is read from device memory by the next launch):
 

@@ -84,8 +84,9 @@ class GroupAdmission:
         """Warn once per group with fp16 parameters on the Adam path. Its state lives in the parameter's
         dtype, and in fp16 (1-β₂)·g² of an ordinary gradient (|g| ~ 1e-3) and eps = 1e-8 both round to 0:
         the eager paths then divide 0 by 0 every step — "repair" keeps p, counts an update event and backs
-        the step off, so the parameter never moves — and the fused one takes ~8x the fp32 step (an audit,
-        2026-11-25). torch.optim.AdamW gives NaN there. bf16 (fp32's exponent range) is fine."""
+        the step off, so the parameter never moves — and the fused one takes ~8x the fp32 step (an audit's
+        scratch run, 2026-11-25, commit 21608b4; not in RESULTS.md). torch.optim.AdamW gives NaN there. bf16
+        (fp32's exponent range) is fine."""
         half = [tuple(p.shape) for j, p in enumerate(group["params"])
                 if p.dtype == torch.float16 and self._adam_path(group, j, p)]
         if half:

@@ -2,8 +2,9 @@
 
 Why: a Newton-Schulz step allocates a few MiB of intermediates per matrix bucket, and on CPU the allocator
 hands such blocks back to the OS when they are freed, so every step page-faults them in again. On the
-3.4M-parameter GPT of ``python -m experiments step-time`` that cost about 3 ms of a 22 ms NS5 (measured by
-keeping freed memory in the process: ``MALLOC_TRIM_THRESHOLD_``/``MALLOC_MMAP_THRESHOLD_``). pytorch_optimizer's
+3.4M-parameter GPT of ``python -m experiments step-time`` that cost about 3 ms of a 22 ms NS5 (a scratch
+measurement, 2026-11-22, commit d737121, not in RESULTS.md: keeping freed memory in the process with
+``MALLOC_TRIM_THRESHOLD_``/``MALLOC_MMAP_THRESHOLD_``). pytorch_optimizer's
 Muon preallocates its buffers for the same reason (``optimizer/utils/matrix.py``).
 """
 from __future__ import annotations

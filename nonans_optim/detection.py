@@ -17,8 +17,8 @@ __all__ = ["finite_mask", "storable_mask", "Tally", "tally", "inspect", "tensor_
 
 def finite_mask(x: torch.Tensor) -> torch.Tensor:
     """Elementwise finiteness as ``|x| < inf``: NaN compares false, so this equals ``torch.isfinite`` but
-    costs two elementwise ops on CPU where ``isfinite`` lowers to four (measured: 3.2 → 1.6 ms on the
-    hidden matrices of a 3.4M-parameter GPT)."""
+    costs two elementwise ops on CPU where ``isfinite`` lowers to four (3.2 → 1.6 ms on the hidden matrices
+    of a 3.4M-parameter GPT: a scratch profile, 2026-11-22, commit c70c69f; not in RESULTS.md)."""
     return x.abs() < float("inf")
 
 
@@ -45,9 +45,10 @@ class Tally(NamedTuple):
     ``inf`` are 0-d int64 tensors on its device, ``numel`` its size (nan = numel - finite - inf).
 
     Why not the pair itself: the subtraction and the stacking are 0-d ops, and on a GPU every op is a
-    kernel launch of its own (the eager "repair" step of SF-NorMuon's GPT launched about 4200 kernels
-    where "off" launched 750 on an H100: RESULTS.md, "sync-audit"). The optimizer assembles the tallies of a
-    whole step at once (``optimizers/_common.assemble_counts``: a few launches, whatever the tensor count)."""
+    kernel launch of its own (the eager "repair" step of SF-NorMuon's GPT launched 4244 kernels where "off"
+    launched 752 on an H100: the sync-audit of 2026-11-25 as published at commit 42143de, no longer in
+    RESULTS.md). The optimizer assembles the tallies of a whole step at once
+    (``optimizers/_common.assemble_counts``: a few launches, whatever the tensor count)."""
     finite: torch.Tensor
     inf: torch.Tensor
     numel: int

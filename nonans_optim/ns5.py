@@ -65,19 +65,22 @@ _EPS = 1e-30
 _FP16_SAFE_SCALE = 8.0
 
 # method="auto" takes the Gram iteration on the torch backend when long side / short side >= this.
-# Measured by `python -m experiments ns5-method` (results/ns5_method.json; bf16, 2 threads, a shared
-# 2-core AMD EPYC with AVX512-BF16, iteration only, same-round ratios gram/standard over three clean runs):
-# l/s = 4: 0.80-0.88, l/s = 3: 0.85-0.93, l/s = 2: 0.90-1.02 (batch-1 256×512 lost or broke even), l/s = 1.5:
-# 1.02-1.09, square: 1.17-1.23. FLOPs predict the crossover at 1.5 (ns5_gram.gram_flops); 3 is the
-# smallest measured ratio at which Gram won on every shape, batch 1 and 4.
+# Measured by `python -m experiments ns5-method` (results/ns5_method.json, 2026-11-22; RESULTS.md, "Newton-Schulz:
+# standard vs Gram iteration on CPU"; bf16, 2 threads, a shared 2-core AMD EPYC with AVX512-BF16, iteration only,
+# same-round ratios gram/standard, batch 1 and 4 and the GPT buckets): l/s = 4: 0.817-0.857, l/s = 3: 0.885-0.943,
+# l/s = 2: 0.921-1.01 (batch-1 256×512 broke even), l/s = 1.5: 1.07-1.12, square: 1.17-1.22. FLOPs predict the
+# crossover at 1.5 (ns5_gram.gram_flops); 3 is the smallest measured ratio at which Gram won on every shape, batch
+# 1 and 4.
 GRAM_MIN_ASPECT = 3.0
 
 # backend="auto" takes the Triton kernels on CUDA for matrices whose short side is at least this. Measured by
-# `python -m experiments kernels` on an H100 (results/kernels.json, 2026-11-25; 5 bf16 iterations, medians of
-# triton.testing.do_bench): Triton beat eager torch on every single matrix from a short side of 4096 on
-# (4096², 8192², 4096×11008) and lost on every smaller one (256² to 2048², where each of its 15 launches costs
-# the host ~80 us, cProfile: triton's autotuner and JIT dispatch) and on every batched stack measured (short
-# sides 512 to 2048). NONANS_NS5_TRITON_MIN_DIM overrides it (another GPU has another crossover).
+# `python -m experiments kernels` on an H100 (the run of 2026-11-25: results/kernels.json at commit 319bdff; the
+# current file holds a later H200 run, RESULTS.md "Triton kernels on a GPU", with the same crossover; 5 bf16
+# iterations, medians of triton.testing.do_bench): Triton beat eager torch on every single matrix from a short
+# side of 4096 on (4096², 8192², 4096×11008) and lost on every smaller one (256² to 2048², where each of its 15
+# launches cost the host ~80 us in a cProfile of that session, not published: triton's autotuner and JIT
+# dispatch) and on every batched stack measured (short sides 512 to 2048). NONANS_NS5_TRITON_MIN_DIM overrides
+# it (another GPU has another crossover).
 TRITON_MIN_DIM = 4096
 _METHODS = ("auto", "standard", "gram")
 

@@ -28,10 +28,13 @@ rounded P's that no later step re-reads, and Q's eigenvalues span 1 (converged �
 a³ ≈ 41 for three steps — so rounding Q to bf16 (≈ 2⁻⁹·‖Q‖₂ per direction) is an error of order
 41·2⁻⁹ ≈ 8% on the converged directions, and nothing after the segment repairs it. Dao et
 al.'s single restart after step 2 (segments [2, 3]; 28 s³ + 8 s²l) therefore leaves the band with
-Keller's constant coefficients: measured σ_max 1.30-1.44 in bf16 (κ = 100 and 1e-4..1 inputs); [3, 2]
-reached 1.214 and 4.4x the standard error. Restarting every two steps ([2, 2, 1], the default) kept
-σ_max ≤ 1.204 and the error ≤ 2.15x standard's over 84 cases, in bf16, fp16 and fp32. (With schedules
-whose late a is small, e.g. Polar Express, the last segment's range a^L shrinks — pass ``restart_after``.)
+Keller's constant coefficients: in bf16, σ_max 1.29-1.33 on σ log-spread over 1e-4..1 and up to 1.26 on
+Gaussian inputs, where restarting every two steps ([2, 2, 1], the default) kept σ_max ≤ 1.203 and the error
+≤ 1.95x standard's over all 12 cases of RESULTS.md, "Newton-Schulz: standard vs Gram iteration on CPU" (3
+shapes × 2 inputs × bf16/fp32; results/ns5_method.json). Scratch runs cited in commit 3ba53cb (2026-11-22,
+not published) also had [3, 2] at σ_max 1.214 and 4.4x the standard error, and [2, 2, 1] within σ_max 1.204
+and 2.15x over 84 cases including fp16. (With schedules whose late a is small, e.g. Polar Express, the
+last segment's range a^L shrinks — pass ``restart_after``.)
 
 Sources: T. Dao et al., "Gram Newton-Schulz" (https://tridao.me/blog/2026/gram-newton-schulz/) and
 DeepSpeed PR #7953 "Add Gram Newton-Schulz orthogonalization for Muon" (restart after 2 iterations).

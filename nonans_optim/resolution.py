@@ -299,8 +299,9 @@ class Resolution:
         the caller checked), built once per index list and counter generation; ``device_indices``: the
         optimizer's cache of int64 index tensors, asked only when the bundle is (re)built. Rebuilding them each step —
         an index tensor looked up, five pointers read, the record pack checked — cost about 6 us of a
-        step's Python glue, which on a cache-resident model is most of what "repair" costs over "off"
-        (RESULTS.md, "overhead", by tensor size)."""
+        step's Python glue (a scratch timing, 2026-11-24, commit 4d6067b; not in RESULTS.md), which on a
+        cache-resident model is most of what "repair" costs over "off" (RESULTS.md, "overhead", by tensor
+        size)."""
         key = (indices[0] if indices else -1, len(indices))  # groups never share a first index
         hit = self._native_args.get(key)
         if hit is not None and hit.generation == self.generation and hit.indices == indices:

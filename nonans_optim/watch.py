@@ -91,10 +91,12 @@ def _nonfinite_by_device(tensors: Iterable[torch.Tensor], infs: bool = True) -> 
 
     ``(t - t).sum() != 0``: x - x is exactly 0 for every finite x and NaN for NaN/±Inf, and a sum of zeros
     is exactly 0 in any dtype, so this is exact — and on CPU about 10x faster than ``isfinite(t).all()``
-    (9.8 vs 111 µs on 256², one thread: the bool reduction is not vectorised there). From
-    :data:`_MINMAX_FROM` entries on, ``aminmax`` instead: one pass and no temporary of the tensor's size
-    (``t - t`` is one: a language model's logits doubled at the loss; an audit, 2026-11-26), 1.4x faster
-    at 1M fp32 entries and 3.4x at 4M; a NaN propagates into both ends and a ±Inf entry is one of them,
+    (9.8 vs 111 µs on 256², one thread — the bool reduction is not vectorised there; a scratch measurement,
+    2026-11-22, commit 01be525, not in RESULTS.md). From :data:`_MINMAX_FROM` entries on, ``aminmax``
+    instead: one pass and no temporary of the tensor's size (``t - t`` is one: a language model's logits
+    doubled at the loss; an audit, 2026-11-26), 1.4x faster at 1M fp32 entries and 3.4x at 4M (scratch A/Bs,
+    2026-11-26, commits aa83279 and 77dc1ee; not in RESULTS.md); a NaN propagates into both ends and a ±Inf
+    entry is one of them,
     so lo·0 + hi·0 is NaN exactly when an entry is not finite (never lo + hi, which can overflow). Below
     it the three small ops it adds cost more than they save (the hooks of a small MLP's forward and
     backward). NaN only: ``amax``, which propagates NaN and passes ±Inf. Complex tensors through their

@@ -1,8 +1,9 @@
 """How many kernels "repair" adds to an eager (foreach) step: a budget per parameter.
 
-On a GPU an eager step of a small model is bound by the host issuing kernels, one per torch op (RESULTS.md,
-"sync-audit": the default foreach SF-NorMuon step launched about 4200 kernels under "repair" where "off"
-launched 750, and took 4x as long). Per tensor the resolution needs a few elementwise passes (detection,
+On a GPU an eager step of a small model is bound by the host issuing kernels, one per torch op (the H100
+sync-audit and overhead-gpu tables of 2026-11-25 as published at commit 42143de, no longer in RESULTS.md: the
+then-default foreach SF-NorMuon step launched 4244 kernels under "repair" where "off" launched 752, and took
+4x as long, 53.40 vs 13.20 ms). Per tensor the resolution needs a few elementwise passes (detection,
 the gates, the counts of each stage); everything else — summing counts, hold flags, stacking — is done for
 the whole step at once (``optimizers/_common.assemble_counts``, ``keep_flags``). This test counts the torch
 ops of one clean step under each policy on the CPU (an op here is a launch there; ``experiments/op_count.py``

@@ -471,8 +471,9 @@ def _gpu_steps_without_sync(info, *, first_may_sync: bool = False, **kw):
 @pytest.mark.parametrize("info, impl", GPU_CASES, ids=impl_ids(GPU_CASES))
 def test_no_host_sync_in_step_on_gpu(info, impl):
     # The first step allocates state, and must not sync either — except where it runs torch.compile
-    # (impl="compiled"), whose compile syncs (inductor's, not ours: 129 to 236 syncs at the first step on an
-    # H100, 0 after, `python -m experiments sync-audit`).
+    # (impl="compiled"), whose compile syncs (inductor's, not ours: 129 to 236 syncs at the first step, 0
+    # after, in the first H100 run of `python -m experiments sync-audit`, 2026-11-25, commit 319bdff; that
+    # run was not published).
     _gpu_steps_without_sync(info, first_may_sync=impl == "compiled", impl=impl)
 
 

@@ -2,23 +2,24 @@
 ``spectral_pre.c`` and ``spectral_post.c`` (the elementwise work before and after NS5) with the system C
 compiler on first use, cached, and loaded with ctypes.
 
-Why C and not torch.compile: inductor (torch 2.13) turns the (SF-)AdamW + resolution graph into several
-passes per tensor on CPU and takes each event count as its own reduction, which left the compiled step at
-3.3x torch's fused AdamW (RESULTS.md, "step-time"). A hand-written loop reads each entry once and counts in
-registers, the way torch's fused CPU kernel works. Plain C with pointers, not a torch C++ extension: it
-needs no torch headers and no ninja, builds in about a second, and cannot break with torch's C++ ABI.
+Why C and not torch.compile: inductor (torch 2.13) turns the (SF-)AdamW + resolution graph into several passes
+per tensor on CPU and takes each event count as its own reduction, which left the compiled step at 3.07x torch's
+fused AdamW (RESULTS.md, "Optimizer step time": ours AdamW (compiled, repair)). A hand-written loop reads each
+entry once and counts in registers, the way torch's fused CPU kernel works. Plain C with pointers, not a torch
+C++ extension: it needs no torch headers and no ninja, builds in about a second, and cannot break with torch's
+C++ ABI.
 
 Build: ``$CC`` (else ``cc``/``gcc``/``clang``) with ``-O3 -march=native -fopenmp -ffp-contract=off
 -fno-trapping-math``; without OpenMP it retries single-threaded, without ``-march=native`` generic.
-``-fno-trapping-math`` changes no value (FP exceptions are never read here); it lets gcc if-convert the
-gated loops' selects, which compute on both sides. Without it, on a CPU without AVX-512 masking (AVX2
-only), gcc 12 left the gated (SF-)AdamW loop scalar: "repair" ran 10.6x "off" at 1M entries, 1.54x with
-it (a scratch script: same tensors, policy switched, 30 interleaved rounds, 2 threads; AMD EPYC without
+``-fno-trapping-math`` changes no value (FP exceptions are never read here); it lets gcc if-convert the gated
+loops' selects, which compute on both sides. Without it, on a CPU without AVX-512 masking (AVX2 only), gcc 12
+left the gated (SF-)AdamW loop scalar: "repair" ran 10.6x "off" at 1M entries, 1.54x with it (a scratch script,
+2026-11-24, commit 70767d0: same tensors, policy switched, 30 interleaved rounds, 2 threads; AMD EPYC without
 AVX-512; ``python -m experiments simd`` measures the builds as they are now). OpenMP is linked as
-``libgomp.so.1``, the soname torch's CPU wheels ship, so the kernel shares torch's thread pool rather than starting a second
-one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default ``~/.cache/nonans_optim``), keyed by
-the source, the flags, the compiler's version and the CPU's feature flags (``-march=native`` code must not
-run on another CPU sharing the home directory).
+``libgomp.so.1``, the soname torch's CPU wheels ship, so the kernel shares torch's thread pool rather than
+starting a second one. The shared object is cached under ``$NONANS_CACHE_DIR`` (default
+``~/.cache/nonans_optim``), keyed by the source, the flags, the compiler's version and the CPU's feature flags
+(``-march=native`` code must not run on another CPU sharing the home directory).
 
 Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in the intrinsics forms of the
 (SF-)AdamW loop (``scalar_avx512.h``) and of the spectral update loop (``spectral_post.c``), which check
@@ -119,7 +120,7 @@ def _build(cc: str, flags: list[str], out: Path) -> str | None:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f = lib.nonans_scalar_step
     # Pointer arrays (pp) go as plain void*: ctypes arrays still convert, and so do the int64 arrays of
-    # optimizers/_fused.py::pointers (about 2 us cheaper per 52-tensor list than a c_void_p array).
+    # optimizers/_fused.py::pointers (about 2 us cheaper per 52-tensor list than a c_void_p array: Int64Array).
     ptr = pp = ctypes.c_void_p
     i32, i64, f32, f64 = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
     f.argtypes = [i64, pp, pp, pp, pp, pp, pp, ptr, ptr, f64, f64, ptr, i32, i32, i32, f32, f32, f32,
@@ -142,8 +143,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 class Int64Array:
     """int64 values (data pointers, sizes) that ctypes passes to C as one ``void*`` (``_as_parameter_``),
-    built about 2 us faster per 52 entries than a ctypes array. It owns the array, so it must live until
-    the call returns (a local of the calling function, or a cache entry)."""
+    built about 2 us faster per 52 entries than a ctypes array (a scratch timing, 2026-11-24, commit
+    5af042d; not in RESULTS.md). It owns the array, so it must live until the call returns (a local of the
+    calling function, or a cache entry)."""
 
     __slots__ = ("_array", "_as_parameter_")
 

@@ -158,10 +158,13 @@ static __attribute__((noinline, cold)) void quad_exact_(
  * stored array (p, or m/z) sits one cache line ahead of a loaded one (g, v, ...) modulo 4096 has every
  * iteration's loads wait on the previous iteration's stores, whose values end the divide-and-square-root
  * chain. Where the arrays sit is the allocator's choice, so the loop's speed was a per-process lottery:
- * ``python -m experiments aliasing`` (RESULTS.md, "aliasing") measured the vector-at-a-time "off" loop at
- * up to 1.32x its aligned time and the former two-vector gated loop at up to 1.17x, which moved repair/off
- * between 0.88 and 1.07 from one layout to another. With four vectors per step only one boundary in four
- * can stall, and both policies run the same loop shape, so a layout slows both alike. */
+ * ``python -m experiments aliasing`` on commit 812ff8b (2026-11-25; the "before" columns of RESULTS.md,
+ * "Native loop time by array offsets: 4K aliasing" as published at ba31408 — the section's baseline is now a
+ * later build) measured the vector-at-a-time "off" loop at up to 1.32x its aligned time and the former
+ * two-vector gated loop at up to 1.17x, which moved repair/off between 0.88 and 1.07 from one layout to
+ * another. With four vectors per step only one boundary in four can stall, and both policies run the same
+ * loop shape, so a layout slows both alike (the current section: "off" at most 1.05x aligned, repair/off
+ * 1.02-1.05 on every layout). */
 static inline __attribute__((always_inline)) void vec_quad_(
         const int sf, const int gate, const int decay_z, float *restrict p, const float *restrict g,
         float *restrict m, float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb,

@@ -3,7 +3,8 @@
  *
  * Ground truth: nonans_optim/optimizers/_spectral.py (impl="loop"). The arithmetic is that of
  * optimizers/_compiled_spectral.py (_pre and _post) written as row loops: inductor (torch 2.13, CPU) ran
- * those two graphs as about 4x the passes their byte traffic needs (RESULTS.md, "step-time"). Here:
+ * those two graphs as about 4x the passes their byte traffic needs (a scratch measurement, 2026-11-22, commit
+ * d737121; not in RESULTS.md). Here:
  *
  *   pre, per matrix (rows split across threads; every pass of a thread covers the same rows, so the
  *   later passes read from its L2 cache):

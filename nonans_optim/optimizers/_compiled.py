@@ -19,15 +19,17 @@ How the graph is kept stable (no recompilation during training):
 * ``dynamic=False``: shapes are fixed per parameter group, so the generated loops have constant trip counts;
 * the resolution bookkeeping is in the graph too: the spike guard (norm, EMA, rescale), the escalation
   scale, the hold flag, and the counts, which are added into the step's dense (P, S, 2) block with one
-  ``index_add_`` — per-tensor Python bookkeeping cost more than the arithmetic (≈35 µs per tensor).
+  ``index_add_`` — per-tensor Python bookkeeping cost more than the arithmetic (≈35 µs per tensor; a scratch
+  profile, 2026-11-22, commit 97f1d19; not in RESULTS.md).
 
 Memory passes (read from the generated code, TORCH_LOGS=output_code): the gradient is read once for its norm
 and counts (the spike guard and the hold rule need them before any write), then one fused loop reads p, g,
 m, v and writes p, m, v. Without the spike guard that loop also accumulates the update counts; with it,
 inductor (torch 2.13) materialises the new parameter and counts it in a third pass — not fused whatever
 the count is taken on (tried: the new value, the unheld value, the direction), so the step moves about
-1.4x the bytes of "off". That, and per-tensor loops for the small tensors, is why "repair" is still
-several times "off" on a many-tensor model (RESULTS.md, "overhead"). The moment-stage count here is
+1.4x the bytes of "off" (counted from that generated code, 2026-11-22, commit 66a3804; not timed). That, and
+per-tensor loops for the small tensors, is why "repair" is still several times "off" on a many-tensor model
+(RESULTS.md, "Resolution overhead on clean steps": AdamW (compiled) step ratio 2.53). The moment-stage count here is
 "finite g whose (1-β₂)·g·g term is non-finite" — the same expression v adds, so it equals the eager "new v
 non-finite with a finite g" unless v itself was already within a rounding of fp32's maximum (counting from
 the new v would split the loop in two: it reads the buffer the loop writes).
@@ -66,7 +68,8 @@ _BROKEN: list[str] = []  # the first compile failure of this process, if any
 def count(mask: torch.Tensor) -> torch.Tensor:
     """Number of True entries, accumulated in int32 when the tensor is small enough (shapes are static, so
     this is decided at trace time): on CPU, five int64 vector accumulators in one loop run ~2x slower than
-    int32 ones (register pressure), and no count of a tensor under 2**31 entries can overflow int32."""
+    int32 ones (register pressure; a scratch measurement, 2026-11-22, commit 67f5ecd; not in RESULTS.md),
+    and no count of a tensor under 2**31 entries can overflow int32."""
     if mask.numel() < 2 ** 31:
         return mask.sum(dtype=torch.int32).to(torch.int64)
     return mask.sum(dtype=torch.int64)
@@ -157,7 +160,8 @@ def _one_tensor(p, g_raw, m, v, z, lr, bc1, bc2, hp, sf: bool, policy: str, deca
         # An m overflow needs |g - m| > fp32 max, so |g| > ~1e31, so (1-β₂)·g² overflows v at that entry
         # too (β₂ < 1 in double gives 1-β₂ ≥ 1.1e-16): counting v alone is the same count. It matters:
         # a reduction over m's mask doubled this graph's time on CPU (inductor, 5 → 10 ms per step on the
-        # bench model; the gate itself costs nothing measurable). The parity tests check the counts.
+        # bench model in scratch A/Bs, 2026-11-23, commit 8e4c7a0, not in RESULTS.md; the gate itself costs
+        # nothing measurable). The parity tests check the counts.
         overflow = count(g_ok & ~v_ok)
         # The update guard as _common._guarded_write: keep the old value where the new one is not finite
         # or the tensor is held (_common.keep_flags: a persistent whole-tensor loss); a held tensor writes

@@ -2,7 +2,8 @@
 
 Why: an eager SF-NorMuon step on a 3.4M-parameter GPT spent about as long in elementwise passes and
 Python (≈25 ms: gate, MONA, momentum, stacking, normalisation, NorMuon, schedule-free update, update guard,
-counts, each a separate pass per tensor) as in the NS5 matmuls themselves (≈22 ms). Two compiled graphs
+counts, each a separate pass per tensor) as in the NS5 matmuls themselves (≈22 ms; a scratch profile,
+2026-11-22, commit 97f1d19; not in RESULTS.md). Two compiled graphs
 per parameter group replace them, with the batched NS5 iteration (matmuls, nothing to fuse) eager between:
 
 1. ``_pre``: spike guard, gradient gate and counts, MONA, momentum (+ Nesterov), and the NS5 input — each

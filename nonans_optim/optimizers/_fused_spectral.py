@@ -3,9 +3,10 @@
 The shape of ``impl="compiled"`` (:mod:`._compiled_spectral`: a momentum-side pass producing the NS5
 inputs, the batched eager NS5 iteration, a direction-side pass), with the two graphs replaced by
 ``nonans_spectral_pre`` and ``nonans_spectral_post`` (``nonans_optim/native/spectral_pre.c`` and
-``spectral_post.c``). Measured reason (RESULTS.md, "step-time"): on a 3.4M-parameter GPT the two compiled
-graphs took about 14.5 ms per SF-NorMuon step against about 20.5 ms of NS5 matmuls — several times the
-time their byte traffic needs.
+``spectral_post.c``). Measured reason (a scratch profile, 2026-11-22, commit d737121; not in RESULTS.md): on a
+3.4M-parameter GPT the two compiled graphs took about 14.5 ms per SF-NorMuon step against about 20.5 ms of NS5
+matmuls — several times the time their byte traffic needs. Published since (RESULTS.md, "Optimizer step
+time"): SF-NorMuon's whole step, median, 56.08 ms compiled and 45.46 ms fused.
 
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
 under every policy, for contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
@@ -91,9 +92,10 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
     """impl="auto" after :func:`fused_spectral_update` refused the whole group: step the matrices the native
     loops cover (parameter, gradient and fp32 state as :func:`._fused.pointers` takes them, and one
     momentum dtype) there and return the others for the foreach path (:func:`._fused.run_covered`). One
-    channels_last conv kernel sent the whole group to foreach (SF-NorMuon 2.1-2.5x slower on a GPT-sized
-    model, an audit, 2026-11-26). The loops never fold counts themselves here, so both parts' counts reach
-    the step's record."""
+    channels_last conv kernel sent the whole group to foreach (SF-NorMuon/Muon 2.1-2.5x slower on a GPT-sized
+    model: an audit script's paired ratios, 2026-11-26, commit a59fea2; the script is not in the repository
+    and the numbers are not in RESULTS.md). The loops never fold counts themselves here, so both parts'
+    counts reach the step's record."""
     extra = [k for k in ("z", "normuon_row_sq", "mona_prev_grad", "mona_diff_avg") if k in states[0]]
     bufs = [st["momentum_buffer"] for st in states]
     covered = [pointers([p, g] + [st[k] for k in extra]) is not None
