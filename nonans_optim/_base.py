@@ -231,10 +231,32 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
                 loss = closure()
         for group in self.param_groups:  # validate before any state changes (the closure made the grads)
             for p in group["params"]:
-                if p.grad is not None and p.grad.is_sparse:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if p.grad.dtype != p.dtype:  # only reachable through p.grad.data = ...: torch's setter refuses it
+                    raise RuntimeError(f"{type(self).__name__}: a gradient of dtype {p.grad.dtype} for a parameter "
+                                       f"of dtype {p.dtype} (shape {tuple(p.shape)}); gradients must have their "
+                                       "parameter's dtype")
         if not self._num_params():
             return loss
+        device_type = self._first_param().device.type
+        if torch.is_autocast_enabled(device_type):  # a step() called inside the user's autocast region
+            with torch.autocast(device_type, enabled=False):
+                self._step()
+        else:
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """The step proper: the global step, the resolution context, each group, the record.
+
+        Never under autocast (``step`` leaves the caller's region): the step's matmuls — KL-Shampoo's factor
+        updates and roots — would run in the autocast dtype, and in fp16 a finite gradient of |g| ≈ 300
+        overflowed G·Gᵀ, so every step recorded a "direction" event, the factor never updated and the step
+        size halved down to 2⁻¹⁰ (an audit, 2026-11-26). torch's own optimizers are unaffected only because
+        their steps hold no matmul."""
         st = self._global()
         st["step"] += 1
         res = self._get_resolution(st["step"]) if self._policy != "off" else None
@@ -259,7 +281,6 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
                             native=self.impl in ("fused", "auto"))
         if res is not None:
             st["recorded_step"] = st["step"]
-        return loss
 
     def _gradients(self, group: dict[str, Any], ctx: dict[str, Any]) -> dict[int, torch.Tensor]:
         """{position in group: gradient to use} for the parameters with a gradient — after the spike guard

@@ -102,8 +102,8 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
                for p, g, st in zip(params, grads, states)]
     first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
     covered = [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
-    return run_covered(covered, (params, grads, states, indices),
-                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma, c=c))
+    return run_covered(covered, (params, grads, states, indices),  # γ in fp32: see _scalar._native_part
+                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma.float(), c=c))
 
 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
