@@ -310,6 +310,7 @@ class Checkpointed:
         """After torch's part of a load: buffer dtypes, and the optimizer-level state as saved."""
         self._restore_state_dtypes(state_dict)
         self._resolution, self._carrier_cache, self._last_gamma = None, None, None
+        self._workspaces.clear()  # kept per group, and torch's load made new group dicts
         saved = global_entry(state_dict)
         if saved is None and self._num_params():
             step = step_from_params(state_dict)

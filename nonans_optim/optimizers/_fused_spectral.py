@@ -57,21 +57,22 @@ def _member_pointers(stacks: list[torch.Tensor], buckets, n: int):
     return Int64Array(ptrs)
 
 
-def _workspace(owner: dict, anchor: torch.Tensor, shapes: tuple, buckets, hot: torch.dtype, raw: bool):
+def _workspace(owner: dict, group: dict, shapes: tuple, buckets, hot: torch.dtype, raw: bool):
     """The NS5 input stacks, one NS5 workspace per bucket and the row/hold flags of a group, kept between
     steps: fresh buffers each step are handed back to the OS and page-faulted in again (see
     :mod:`nonans_optim._workspace`). Safe to reuse: all of them only live inside one step, and each bucket's
     NS5 output stays in its own workspace until post reads it. ``raw`` (KL-Shampoo): fp32 stacks for pre's
     M as well, and per tensor the guard's scale and the non-finite count of g.
 
-    Kept in ``owner``, the optimizer's own dict (``ctx["workspaces"]``), by the group's first parameter, so
-    they go with the optimizer. They were kept in a module-level dict keyed by that parameter, and outlived
-    a deleted optimizer for as long as the model did: 8 bytes per parameter of a 2048² matrix still
-    allocated after ``del opt`` (an audit, 2026-11-26) — a learning-rate sweep or restart that builds a new
-    optimizer on the same model held them once per optimizer built."""
-    entry = owner.get(id(anchor))
-    if entry is None or entry[0] is not anchor:  # (the optimizer holds its parameters: ids are not reused)
-        entry = owner[id(anchor)] = (anchor, {})
+    Kept in ``owner``, the optimizer's own dict (``ctx["workspaces"]``), one set per param group: they go
+    with the optimizer (a module-level dict keyed by a parameter outlived a deleted optimizer for as long as
+    the model did, an audit found), and a group whose gradient set changes replaces its set rather than
+    adding one. Keyed by the group's first parameter *with a gradient*, they grew with every expert that
+    came first in an MoE group's routed subset: 16 sets (60 MiB, 3.8x the experts' parameters) after 200
+    steps of top-2 routing over 16 experts, where one step needs one (the memory audit, 2026-11-26)."""
+    entry = owner.get(id(group))
+    if entry is None or entry[0] is not group:  # (the optimizer holds its groups: ids are not reused)
+        entry = owner[id(group)] = (group, {})
     cache = entry[1]
     key = (shapes, hot, raw)
     if key not in cache:
@@ -143,7 +144,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     nulls = Int64Array([0] * n)
     rows, cols = Int64Array([s[0] for s in shapes]), Int64Array([s[1] for s in shapes])
     buckets = _buckets(params)
-    inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(ctx.get("workspaces", {}), params[0],
+    inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(ctx.get("workspaces", {}), group,
                                                                      tuple(shapes), buckets, hot, shampoo)
     gate = policy != "off"
     r = resolution_pointers(ctx, indices)
