@@ -244,12 +244,12 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
         device_type = self._first_param().device.type
         if torch.is_autocast_enabled(device_type):  # a step() called inside the user's autocast region
             with torch.autocast(device_type, enabled=False):
-                self._step()
+                self._run_step()
         else:
-            self._step()
+            self._run_step()
         return loss
 
-    def _step(self) -> None:
+    def _run_step(self) -> None:
         """The step proper: the global step, the resolution context, each group, the record.
 
         Never under autocast (``step`` leaves the caller's region): the step's matmuls — KL-Shampoo's factor

@@ -50,7 +50,7 @@ def test_autocast_region_is_restored_when_step_raises():
     p = torch.nn.Parameter(torch.randn(4))
     p.grad = torch.randn(4)
     opt = no.AdamW([p], lr=1e-3)
-    opt._step = lambda: (_ for _ in ()).throw(RuntimeError("boom"))  # a step that fails halfway
+    opt._run_step = lambda: (_ for _ in ()).throw(RuntimeError("boom"))  # a step that fails halfway
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(RuntimeError, match="boom"):
             opt.step()
