@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._validation import _check_float, _check_int, check_betas
+from ._validation import FP32_MAX, _check_float, _check_int, check_betas
 
 __all__ = ["GroupAdmission"]
 
@@ -97,10 +97,10 @@ class GroupAdmission:
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError naming a bad hyperparameter of ``group`` (the defaults, or one param group);
         subclasses add theirs. ``warmup_steps`` is normalised to an int in place."""
-        _check_float("lr", group["lr"], device_ok=True)
-        _check_float("weight_decay", group.get("weight_decay", 0.0))
+        _check_float("lr", group["lr"], high=FP32_MAX, device_ok=True)
+        _check_float("weight_decay", group.get("weight_decay", 0.0), high=FP32_MAX)
         if "eps" in group:
-            _check_float("eps", group["eps"])
+            _check_float("eps", group["eps"], high=FP32_MAX)
         if "betas" in group:
             check_betas("betas", group["betas"])
         if "warmup_steps" in group:

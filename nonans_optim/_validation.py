@@ -8,7 +8,15 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["_check_float", "_check_int", "check_betas"]
+__all__ = ["_check_float", "_check_int", "check_betas", "FP32_MAX", "FP32_TINY"]
+
+#: The largest and the smallest normal fp32 values. The step computes in fp32 (γ is built as an fp32 tensor,
+#: the native loops take fp32 arguments): lr, weight_decay and eps above FP32_MAX made ``step()`` raise
+#: halfway ("value cannot be converted to type float without overflow"), after the global step had
+#: advanced, and a NorMuon eps below FP32_TINY turned 1/(√v + eps) into Inf on a dead row, so 0·Inf = NaN
+#: every step in the fused and compiled paths (the fuzz audit, 2026-11-26).
+FP32_MAX = float(torch.finfo(torch.float32).max)
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
 def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,

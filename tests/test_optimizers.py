@@ -34,11 +34,26 @@ def test_bad_hyperparameters_raise_naming_the_argument(info, bad):
                                  dict(polyak=None),
                                  # a dead row (v = 0) divided 0 by 0 and held the whole matrix every step;
                                  # a β whose reciprocal overflows fp32 stepped, then eval() raised
-                                 dict(normuon_eps=0.0), dict(sf_beta=1e-40)])
+                                 dict(normuon_eps=0.0), dict(sf_beta=1e-40),
+                                 # 1/(√0 + eps) was Inf below fp32's smallest normal: 0·Inf = NaN on a dead row
+                                 # in the fused and compiled paths, every step (the fuzz audit)
+                                 dict(normuon_eps=1e-40), dict(normuon_eps=1e-46)])
 def test_bad_spectral_hyperparameters_raise_at_construction(bad):
     """Caught where the typo is made, not at the first step()."""
     with pytest.raises(ValueError, match=next(iter(bad))):
         no.FullFusion(make_model().parameters(), **bad)
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW, no.SFNorMuon, no.FullFusion])
+@pytest.mark.parametrize("bad", [dict(lr=1e39), dict(weight_decay=1e300), dict(eps=1e39)])
+def test_hyperparameters_past_fp32_range_raise_at_construction(cls, bad):
+    """The step computes in fp32: an lr of 1e39 or a weight decay of 1e300 passed validation and raised
+    inside step() after the global step (and, for FullFusion, one parameter's step) had advanced."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        cls(make_model().parameters(), **bad)
+    opt = cls(make_model().parameters(), lr=3e38)  # the largest fp32 is still a valid (absurd) rate
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 1e39})
 
 
 def test_unknown_component_is_named():

@@ -21,7 +21,7 @@ import torch
 from .._base import NonansOptimizer
 from .._checkpoint import needs_init
 from .._distributed import check_group, sum_polyak_stats
-from .._validation import _check_float, _check_int, check_betas
+from .._validation import FP32_MAX, FP32_TINY, _check_float, _check_int, check_betas
 from ..detection import inspect
 from ..functional.polyak import update_polyak
 from ..functional.schedule_free import SF_BETA_MIN, to_x_, to_y_
@@ -125,10 +125,11 @@ class Fusion(NonansOptimizer):
         super()._check_group(group)
         for name in ("momentum", "sf_beta", "normuon_beta2", "mona_beta", "shampoo_beta"):
             _check_float(name, group[name], high=1.0, high_open=True)
-        _check_float("normuon_eps", group["normuon_eps"])
-        if not group["normuon_eps"] > 0:  # a dead row (a unit whose gradient is all zeros) has v = 0: Ô = 0/0
-            raise ValueError(f"Invalid normuon_eps: {group['normuon_eps']} (must be > 0: a row whose moment is "
-                             "0 — a dead unit — would divide 0 by 0 and hold the whole matrix)")
+        _check_float("normuon_eps", group["normuon_eps"], high=FP32_MAX)
+        if not group["normuon_eps"] >= FP32_TINY:  # a dead row (a unit whose gradient is all zeros) has v = 0
+            raise ValueError(f"Invalid normuon_eps: {group['normuon_eps']} (must be at least {FP32_TINY:.6g}, "
+                             "fp32's smallest normal: a row whose moment is 0 — a dead unit — divides by eps "
+                             "alone, and 1/eps must stay finite in fp32 or that row holds the whole matrix)")
         # any finite real (MONA's mixing weight may be negative), a CPU tensor as any hyperparameter; stored
         # as a float. ±Inf used to pass and overflowed the MONA buffers at every step.
         _check_float("mona_alpha", group["mona_alpha"], low=-math.inf)
