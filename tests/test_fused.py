@@ -271,3 +271,22 @@ def test_cached_pointers_follow_replaced_counters(cls):
     assert (m["resolution/nan_grad"], m["resolution/events_total"]) == (3, 3)
     # the second and third events repeat within the window: each halves the live scale
     assert (m["resolution/escalations"], m["resolution/min_scale"]) == (2, 0.25)
+
+
+@pytest.mark.parametrize("cls,shape", [(no.AdamW, (40,)), (no.SFNorMuon, (8, 5))], ids=["AdamW", "SFNorMuon"])
+def test_guard_norm_of_a_tiny_gradient_matches_the_float64_norm(cls, shape):
+    """The native guard summed the squares in fp32: a gradient of |g| = 1e-24 (squares below fp32's
+    subnormals) had norm 0, never seeded the EMA, and the next, 1000x larger gradient was no spike — where
+    spike.py's float64 norm (loop, foreach, compiled) seeds it and caps the jump (the fuzz audit). An
+    all-zero gradient still gives 0 and leaves the EMA alone."""
+    def run(impl):
+        p = torch.nn.Parameter(torch.ones(shape))
+        opt = cls([p], lr=1e-3, spike_factor=10.0, impl=impl)
+        for scale in (0.0, 1e-24, 3e-24, 1e-21):
+            p.grad = torch.full(shape, scale)
+            opt.step()
+        return opt._global()["resolution"]["grad_norm_ema"], event_tuples(opt)
+    (ema_loop, ev_loop), (ema_fused, ev_fused) = run("loop"), run("fused")
+    assert ema_loop.item() > 0 and ev_loop and ev_loop[-1][2] == "spike"
+    torch.testing.assert_close(ema_fused, ema_loop, rtol=1e-6, atol=0)
+    assert ev_fused == ev_loop

@@ -38,13 +38,25 @@ static inline float spike_(double norm, int complete, float ema, float factor, f
 }
 
 /* The sum of squares of the finite entries of x[0, n), which the spike guard adds up, given their fp32 sum
- * part over all entries: part itself when finite (every entry finite, no square overflowed); otherwise — a
- * NaN/±Inf entry, or one above about 1.8e19 whose square overflowed — Σ x² over the finite entries again in
- * double, finite for any finite fp32 entries (n·FLT_MAX² is far below DBL_MAX). So the guard sees the
- * largest finite spikes, also beside a NaN (functional/spike.py: the fp16-overflow pattern), instead of a
- * non-finite norm it would let through. Rare, so scalar and in a fixed order (the same in every build). */
+ * part over all entries: part itself when finite and at least 2^-100 (every entry finite, no square
+ * overflowed, and the squares that matter are normal fp32 numbers); otherwise Σ x² over the finite entries
+ * again in double:
+ *  - a NaN/±Inf entry, or one above about 1.8e19 whose square overflowed: finite in double for any finite
+ *    fp32 entries (n·FLT_MAX² is far below DBL_MAX), so the guard sees the largest finite spikes, also
+ *    beside a NaN (functional/spike.py: the fp16-overflow pattern), instead of a non-finite norm it would
+ *    let through;
+ *  - a gradient below about 1e-19, whose fp32 squares are subnormal or 0: the fp32 sum lost the norm (|g|
+ *    = 1e-24 gave 0, so the EMA and the spike decisions differed from spike.py's float64 norm — the fuzz
+ *    audit, 2026-11-26). An all-zero gradient is told apart by a scan that stops at its first non-zero
+ *    entry, and stays 0.
+ * Rare, so scalar and in a fixed order (the same in every build). */
 static inline double guard_sumsq_(float part, const float *x, int64_t n) {
-    if (fabsf(part) < INFINITY) return part;
+    if (fabsf(part) < INFINITY && part >= 0x1p-100f) return part;
+    if (part == 0.0f) {
+        int64_t j = 0;
+        while (j < n && x[j] == 0.0f) j++;
+        if (j == n) return 0.0;
+    }
     double acc = 0.0;
     for (int64_t j = 0; j < n; j++)
         if (finitef_(x[j])) acc += (double)x[j] * (double)x[j];
