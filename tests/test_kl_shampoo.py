@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import nonans_optim as no
 from nonans_optim.functional.kl_shampoo import (
     ABS_EIG_FLOOR, DAMPING_GROWTH, DEFAULT_DAMPING, MAX_DAMPING, STATE_KEYS, _all_finite, amplification_cap,
     inverse_root, kl_shampoo_init_state, kl_shampoo_precondition, kl_shampoo_update_, refresh_basis)
@@ -486,3 +487,27 @@ def test_batched_form_is_the_per_matrix_form(step):
     for k in STATE_KEYS:  # the missing observation: untouched, bit for bit
         if k != "kl_damping":
             assert torch.equal(stacked[k][1], states[1][k]), k
+
+
+@pytest.mark.parametrize("impl", ["loop", "foreach", "fused"])
+def test_a_held_parameter_keeps_its_kl_damping(impl):
+    """A held parameter (no finite gradient entry, an event within the repeat window) keeps its value and
+    its whole state. Its stale momentum still went through the preconditioner, whose bypass raised the
+    damping x10 — for good, so repeated holds pushed the preconditioner towards a plain scalar (the fuzz
+    audit, 2026-11-26). tests/test_kernels_spectral_step.py runs it on the Triton path."""
+    check_held_keeps_kl_damping("cpu", impl)
+
+
+def check_held_keeps_kl_damping(device, impl: str, shape=(2, 2)) -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(shape, device=device))
+    opt = no.FullFusion([("w", w)], lr=1e-3, momentum=0.0, spike_factor=None, impl=impl)
+    big = torch.tensor([[3.4e38, -1e38], [2e38, 3e38]], device=device).repeat(shape[0] // 2, shape[1] // 2)
+    w.grad = big  # finite, but the factor update overflows: an event
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[w].items() if torch.is_tensor(v) and k != "step"}
+    w.grad = torch.full(shape, float("nan"), device=device)  # the whole tensor lost one step after an event
+    opt.step()
+    assert [e.action for e in opt.events if e.step == 2 and e.stage == "grad"] == ["held"]
+    changed = [k for k, v in before.items() if not torch.equal(v, opt.state[w][k])]
+    assert changed == [], changed

@@ -162,9 +162,10 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
     if shampoo:  # the host reads are of CPU memory the pre loop has just written: no device
-        skip = policy == "skip"
+        # a held tensor's damping is kept as a "skip" tensor's is (pre's hold flags: bit 0 held, bit 1 skip)
+        keep = [h != 0 for h in hold.tolist()] if gate else [False] * n
         precondition_stacks(raws, inputs, buckets, params, grads, states, indices, group, ctx, scales=list(scale),
-                            oks=[torch.tensor(b == 0) for b in bad], keep_damping=[skip and b > 0 for b in bad])
+                            oks=[torch.tensor(b == 0) for b in bad], keep_damping=keep)
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
     outs = [iterate(X, coefficients, tall=tall, workspace=ws).contiguous()
             for X, (_, tall), ws in zip(inputs, buckets, workspaces)]

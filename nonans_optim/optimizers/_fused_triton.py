@@ -216,8 +216,8 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
 
 def _precondition(pre, inputs, buckets, params, grads, states, indices, group, ctx, policy: str) -> None:
     """KL-Shampoo on the fp32 M stacks the write kernel left in ``pre.inputs``, with the kernels' per-tensor
-    decisions as device tensors (the guard's scale, "entirely finite", "skip" with a bad entry: bit 3 and
-    bit 1 of the flags) — never read on the host."""
+    decisions as device tensors (the guard's scale, "entirely finite", held, "skip" with a bad entry: bit 3,
+    bit 0 and bit 1 of the flags) — never read on the host."""
     n = len(params)
     if pre.dec is None:  # "off": every gradient is an observation, none scaled
         ok = torch.ones((), dtype=torch.bool, device=params[0].device)
@@ -225,6 +225,7 @@ def _precondition(pre, inputs, buckets, params, grads, states, indices, group, c
     else:
         scales = list(pre.dec[:, 0].unbind(0)) if ctx["spike_factor"] is not None else [None] * n
         oks = list(((pre.dec_flags & 8) == 0).unbind(0))
-        keep = list(((pre.dec_flags & 2) != 0).unbind(0)) if policy == "skip" else [False] * n
+        # held (bit 0) or "skip" with a bad entry (bit 1): the damping is put back, as the rest of the state
+        keep = (pre.dec_flags & (3 if policy == "skip" else 1)) != 0  # one (n,) flag: one select for the group
     precondition_stacks(pre.inputs, inputs, buckets, params, grads, states, indices, group, ctx, scales=scales,
                         oks=oks, keep_damping=keep)

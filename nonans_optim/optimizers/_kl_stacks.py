@@ -37,17 +37,20 @@ _BATCH_BYTES = 1 << 29
 def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], buckets, params, grads, states,
                         indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *,
                         scales: Sequence[torch.Tensor | float | None], oks: Sequence[torch.Tensor],
-                        keep_damping: Sequence[Flag], batched: bool | None = None) -> None:
+                        keep_damping: Sequence[Flag] | torch.Tensor, batched: bool | None = None) -> None:
     """Precondition each matrix of the fp32 stacks ``raws`` in place, update its factors, and write each
     bucket normalised into ``inputs`` (the NS5 input stacks, any float dtype).
 
     Per tensor: ``scales`` the guard's scale of its gradient (None or 1.0: not scaled; a 0-d device tensor
     is always applied — ×1 is exact); ``oks`` a 0-d bool, "the gradient was entirely finite";
-    ``keep_damping`` True (or a 0-d bool tensor) for a "skip" tensor with a bad entry, whose damping is put
-    back (the loop restores all its state; its factors do not move anyway, that gradient being no
-    observation). Counts the direction events (a bypassed preconditioner or an internal overflow) into this
-    step's dense block under a resolution policy with a few ops for the whole group — stacked flags and one
-    ``index_add_`` — where a count per matrix took four (device launches on a GPU: the host's time).
+    ``keep_damping`` True (or a 0-d bool tensor; or, for the whole group, one (n,) bool tensor, restored with
+    a single select) for a held tensor or a "skip" tensor with a bad entry, whose damping is put back (a held
+    parameter keeps its value and state; "skip" restores all of it; its factors do not move anyway, that
+    gradient being no observation). A held tensor's stale momentum could bypass the preconditioner and raise
+    its damping ×10 for good (the fuzz audit, 2026-11-26). Counts the direction events (a bypassed
+    preconditioner or an internal overflow) into this step's dense block under a resolution policy with a few
+    ops for the whole group — stacked flags and one ``index_add_`` — where a count per matrix took four
+    (device launches on a GPU: the host's time).
 
     ``batched`` (default: on CUDA): each bucket's matrices at the same step run as one stack through the
     functional core's batched form — its state stacked, stepped, and copied back with one multi-tensor copy
@@ -61,6 +64,10 @@ def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], bu
     device = params[0].device
     if batched is None:
         batched = _batch_on(device)
+    group_keep = keep_damping if isinstance(keep_damping, torch.Tensor) else None
+    if group_keep is not None:  # decided on the device for the whole group: one select after all matrices
+        dampings = [st["kl_damping"] for st in states]
+        before, keep_damping = torch.stack(dampings), [False] * len(params)
     flags, order = [], []
     for R, X, (members, _) in zip(raws, inputs, buckets):
         step_one = _batched_bucket if batched and len(members) > 1 else _one_by_one
@@ -69,6 +76,8 @@ def precondition_stacks(raws: list[torch.Tensor], inputs: list[torch.Tensor], bu
                 flags.append(got)
                 order.extend(indices[i] for i in rows)
         X.copy_(normalise(R))
+    if group_keep is not None:
+        torch._foreach_copy_(dampings, list(torch.where(group_keep, before, torch.stack(dampings)).unbind(0)))
     if gate and flags:
         dense = dense_counts(ctx, device)
         internal, bypassed = (torch.cat([f.reshape(-1) for f in fs]) for fs in zip(*flags))  # (views: free)

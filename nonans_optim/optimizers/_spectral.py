@@ -120,7 +120,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
     snapshot = None
     if repair and res.policy == "skip":
         snapshot = take_snapshot(params, states)
-    Ms, vs, row_oks, tensor_oks, g_tallies = [], [], [], [], []
+    Ms, vs, row_oks, tensor_oks, g_tallies, dampings = [], [], [], [], [], []
     for p, g, st, idx in zip(params, grads, states, indices):
         shape = matrix_shape(p)
         G = g.reshape(shape)
@@ -144,6 +144,8 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
             from ..functional.kl_shampoo import kl_shampoo_precondition, kl_shampoo_update_
             # The paper's order (yorkerlin/KL-Methods kl_opt.py): precondition with the factors of the
             # previous steps, then fold this gradient in — the preconditioner never sees its own input.
+            if repair:  # put back below if the parameter is held (_kl_stacks.precondition_stacks: why)
+                dampings.append(st["kl_damping"].clone())
             M, bypassed = kl_shampoo_precondition(st, M)
             t_ok = tensor_ok if repair else torch.ones((), dtype=torch.bool, device=G.device)
             internal_bad = kl_shampoo_update_(st, g.reshape(shape), t_ok, int(st["step"]),
@@ -188,5 +190,7 @@ def spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor], state
         else:
             y_new, z_new = p * (1 - lr_i * wd) - lr_i * U, None
         commit_update(p, st, y_new, z_new, ctx, idx, repair, keeps[i])
+        if dampings:  # a held parameter keeps its state: the damping its stale momentum may have raised too
+            torch.where(keeps[i], st["kl_damping"], dampings[i], out=st["kl_damping"])
         if snapshot is not None:
             restore_if_bad(p, st, snapshot[i], tensor_oks[i])
