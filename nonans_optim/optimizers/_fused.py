@@ -142,8 +142,13 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     """The step in the native CPU loop; False (nothing changed) when it does not cover the group (a CUDA
     or non-fp32 tensor, a strided one, no C compiler): the caller picks the fallback."""
     lib = native.library() if params[0].is_cpu else None
-    if lib is None or not (gamma.is_cpu and gamma.dtype is torch.float32):
+    if lib is None or not gamma.is_cpu:
         return False
+    # γ in fp32, as the loop takes every hyperparameter (and the Triton path does the same): a group holding
+    # an fp64 tensor has an fp64 γ, and when that tensor runs foreach the group's fp32 tensors still run
+    # here (_scalar._native_part) — refusing that γ sent all of them to foreach (33x slower in an audit,
+    # 2026-11-26). The foreach path rounds γ to its fp32 tensors' dtype the same way inside each op.
+    gamma = gamma.float()
     seconds = [st["z" if sf else "exp_avg"] for st in states]  # schedule-free keeps z, AdamW m
     vs, steps = [st["exp_avg_sq"] for st in states], [st["step"] for st in states]
     sizes = [p.numel() for p in params]

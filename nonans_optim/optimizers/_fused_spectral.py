@@ -103,8 +103,8 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
                for p, g, st in zip(params, grads, states)]
     first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
     covered = [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
-    return run_covered(covered, (params, grads, states, indices),  # γ in fp32: see _scalar._native_part
-                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma.float(), c=c))
+    return run_covered(covered, (params, grads, states, indices),
+                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma, c=c))
 
 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
@@ -137,8 +137,9 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers(steps),
             pointers(zs) if sf else True, pointers(vs) if normuon else True,
             pointers(mona_bufs[0]) if mona else True, pointers(mona_bufs[1]) if mona else True]
-    if any(x is None for x in ptrs) or not (gamma.is_cpu and gamma.dtype is torch.float32):
+    if any(x is None for x in ptrs) or not gamma.is_cpu:
         return False
+    gamma = gamma.float()  # fp32, as native_scalar_update takes it (why there)
     p_ptr, g_ptr, b_ptr, step_ptr, z_ptr, v_ptr, prev_ptr, avg_ptr = ptrs
     n = len(params)
     nulls = Int64Array([0] * n)

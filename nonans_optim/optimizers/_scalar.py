@@ -54,10 +54,7 @@ def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: 
     def step(*part) -> bool:
         saved, ctx["record_in_kernel"] = ctx["record_in_kernel"], False
         try:
-            # fp32 for the loop: a group holding an fp64 tensor has an fp64 γ, which the loop refuses, and one
-            # fp64 scalar sent every fp32 tensor of its group to foreach (33x slower in an audit, 2026-11-26).
-            # The foreach path rounds γ to its fp32 tensors' dtype the same way inside each op.
-            return native_scalar_update(*part, group, ctx, sf=sf, gamma=gamma.float(), c=c)
+            return native_scalar_update(*part, group, ctx, sf=sf, gamma=gamma, c=c)
         finally:
             ctx["record_in_kernel"] = saved
 
