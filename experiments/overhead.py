@@ -310,9 +310,9 @@ def render(data: dict[str, Any]) -> str:
         ok = {n: x <= 1.02 for n, x in ratio.items()}
         # a median under the target whose upper quartile is over it, with no fresh-process control, is a
         # median the table's own noise does not resolve: said beside the verdict, not hidden behind it
-        loose = {n for n in ratio if ok[n] and n not in ctrl and _paired_quartiles(data, n)[1] > 1.02}
-        label = {n: f"{n} ({100 * (x - 1):+.1f}%{', controls' if n in ctrl else ''}"
-                    f"{f', upper quartile {_paired_quartiles(data, n)[1]:.3f}: not resolved' if n in loose else ''})"
+        upper = {n: _paired_quartiles(data, n)[1] for n in ratio if ok[n] and n not in ctrl}
+        loose = {n: f", upper quartile {q:.3f}: not resolved" for n, q in upper.items() if q > 1.02}
+        label = {n: f"{n} ({100 * (x - 1):+.1f}%{', controls' if n in ctrl else ''}{loose.get(n, '')})"
                  for n, x in ratio.items()}
 
     def verdict(rows: list[dict[str, Any]]) -> str:

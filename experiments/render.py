@@ -82,14 +82,14 @@ def render_all(results_md: Path, open_questions_md: Path,
     done, left, unbacked = [], [], []
     text = results_md.read_text() if results_md.exists() else ""
     for section, (name, spec) in SECTIONS.items():
-        published = f"<!-- {section}:begin -->" in text
-        if not _renderable(section, read_json(results_dir / name)):
+        published, data = f"<!-- {section}:begin -->" in text, read_json(results_dir / name)
+        if not _renderable(section, data):
             (unbacked if published else left).append(section)
             continue
         if not published:
             left.append(section)
             continue
-        replace_section(results_md, section, _function(spec)(read_json(results_dir / name)))
+        replace_section(results_md, section, _function(spec)(data))
         done.append(section)
     if (results_dir / "questions").is_dir():
         from experiments.questions import render_open_questions
