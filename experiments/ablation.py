@@ -144,7 +144,8 @@ def render(data: dict[str, Any]) -> str:
     parts = [f"Command: `{COMMAND}` (JSON: `results/ablation.json`, plots: `results/ablation_<task>.png`). "
              f"lr {cfg['lr']} for every optimizer (library defaults otherwise, impl "
              f"{cfg.get('impl', 'foreach (the default before impl=auto)')}; Polyak off), {cfg['seeds']} seeds, "
-             f"step budgets {cfg['steps']}, {cfg['threads']} CPU thread(s); measured {data['env']['date']}{at_commit(data['env'])}. "
+             f"step budgets {cfg['steps']}, {cfg['threads']} CPU thread(s); measured {data['env']['date']}"
+             f"{at_commit(data['env'])}. "
              "Metric: char-LM validation loss (nats/char), digits validation error (%); lower is better; "
              "mean ± sd over seeds. Wall-clock arm: every optimizer trains for the median seconds AdamW took "
              "for the step budget. it/s are CPU numbers from the same run, noisy (shared machine)."]

@@ -115,7 +115,8 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     cfg, summ = data["config"], summarise(data)
     arms = list(cfg["arms"])
-    parts = [f"Command: `{COMMAND}` (JSON: `results/spike_guards.json`); measured {data['env']['date']}{at_commit(data['env'])}, "
+    parts = [f"Command: `{COMMAND}` (JSON: `results/spike_guards.json`); measured {data['env']['date']}"
+             f"{at_commit(data['env'])}, "
              f"{cfg['threads']} CPU thread(s), wall {fmt(data.get('wall_s'), 3)} s. AdamW (lr 0.003, library "
              f"defaults otherwise) on the tasks, conditions, spike steps and pairing of `python -m experiments "
              f"spikes`: {cfg['steps']} steps, {cfg['seeds']} seeds. Element-wise arms clip gᵢ to "

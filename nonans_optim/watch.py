@@ -96,10 +96,9 @@ def _nonfinite_by_device(tensors: Iterable[torch.Tensor], infs: bool = True) -> 
     instead: one pass and no temporary of the tensor's size (``t - t`` is one: a language model's logits
     doubled at the loss; an audit, 2026-11-26), 1.4x faster at 1M fp32 entries and 3.4x at 4M (scratch A/Bs,
     2026-11-26, commits aa83279 and 77dc1ee; not in RESULTS.md); a NaN propagates into both ends and a ±Inf
-    entry is one of them,
-    so lo·0 + hi·0 is NaN exactly when an entry is not finite (never lo + hi, which can overflow). Below
-    it the three small ops it adds cost more than they save (the hooks of a small MLP's forward and
-    backward). NaN only: ``amax``, which propagates NaN and passes ±Inf. Complex tensors through their
+    entry is one of them, so lo·0 + hi·0 is NaN exactly when an entry is not finite (never lo + hi, which
+    can overflow). Below it the three small ops it adds cost more than they save (the hooks of a small
+    MLP's forward and backward). NaN only: ``amax``, which propagates NaN and passes ±Inf. Complex tensors through their
     real view; 8-bit floats, which have no such reductions on CPU, widened first (a float8 output crashed
     the model's forward); empty tensors have nothing to check. Callers run it under ``no_grad`` so
     nothing is added to the autograd graph."""
