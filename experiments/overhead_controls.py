@@ -74,10 +74,13 @@ def build_optimizer(base: torch.nn.Module, grads: list[torch.Tensor], make, poli
 
 def switched(opt: torch.optim.Optimizer, policy: str, spike_factor: float | None = None) -> Callable[[], None]:
     """A step of ``opt`` under ``policy`` and ``spike_factor``, both set just before it: several such arms
-    of one optimizer step the very same tensors (both attributes are read at every ``step()``)."""
+    of one optimizer step the very same tensors (both attributes are read at every ``step()``). Its
+    ``settle`` (the step itself) is what ``step_time.interleaved`` runs untimed before each sample, so that
+    the switch's own work is not timed as the arm's."""
     def step() -> None:
         opt.resolution_policy, opt.spike_factor = policy, spike_factor
         opt.step()
+    step.settle = step  # one untimed step after the switch (step_time.interleaved: the switch's own work)
     return step
 
 

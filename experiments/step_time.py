@@ -100,7 +100,13 @@ def sync(device: torch.device) -> None:
 def interleaved(arms: dict[str, Callable[[], Any]], *, rounds: int, warmup: int, inner: int,
                 device: torch.device) -> dict[str, list[float]]:
     """Seconds per call of each arm: ``warmup`` untimed calls each, then ``rounds`` rounds in which every
-    arm runs ``inner`` calls back to back (timed together, divided by ``inner``); arm order rotates."""
+    arm runs ``inner`` calls back to back (timed together, divided by ``inner``); arm order rotates.
+
+    An arm with a ``settle`` attribute (``overhead_controls.switched``: arms that switch one optimizer's
+    policy) has it called, untimed, right before each of its samples: the first step after a switch does
+    the switch's own work — the first "repair" step after "off" steps folds those steps into the
+    resolution counters (``Resolution.pass_clean_steps``, several small torch ops) — which a run under one
+    policy never does. Timed, it was charged to the repair arm of every sample (2026-11-26)."""
     names = list(arms)
     for name in names:
         for _ in range(warmup):
@@ -110,6 +116,9 @@ def interleaved(arms: dict[str, Callable[[], Any]], *, rounds: int, warmup: int,
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
+            settle = getattr(arms[name], "settle", None)
+            if settle is not None:
+                settle()
             sync(device)
             t0 = time.perf_counter()
             for _ in range(inner):

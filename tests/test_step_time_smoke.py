@@ -251,3 +251,38 @@ def test_aliasing_quick(tmp_path):
         assert r["repair_vs_off_low"] <= r["repair_vs_off"] <= r["repair_vs_off_high"]
     data["baseline"] = {k: data[k] for k in ("command", "commit", "machine", "rows")}
     assert "before: repair / off" in render(data)
+
+
+def test_interleaved_settles_switched_arms_before_each_sample(monkeypatch):
+    """A switched arm's first step after a switch does the switch's work (the first "repair" step after
+    "off" steps runs ``Resolution.pass_clean_steps``): ``interleaved`` runs it untimed before each sample,
+    so every timed "repair" step is one a run under "repair" alone would take."""
+    import torch
+
+    import nonans_optim as no
+    from experiments.overhead_controls import switched
+    from experiments.step_time import interleaved
+    from nonans_optim.resolution import Resolution
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 0.1)
+    opt = no.AdamW([p], lr=1e-2, impl="fused")
+    log: list[str] = []
+    timing: list[bool] = []
+    real_step, real_pass = opt.step, Resolution.pass_clean_steps
+    monkeypatch.setattr(opt, "step", lambda: (log.append(opt.resolution_policy), real_step())[1])
+    monkeypatch.setattr(Resolution, "pass_clean_steps",
+                        lambda self, n: (timing.append(len(log)), real_pass(self, n))[1])
+    arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair")}
+    interleaved(arms, rounds=4, warmup=0, inner=3, device=torch.device("cpu"))
+    # each sample: one settle step, then three timed steps, all under the arm's policy
+    assert len(log) == 4 * 2 * 4
+    samples = [log[i:i + 4] for i in range(0, len(log), 4)]
+    assert all(len(set(s)) == 1 for s in samples) and {s[0] for s in samples} == {"off", "repair"}
+    # the catch-up ran in a settle step (the first of a "repair" sample that follows an "off" one), never timed
+    assert timing and all((n - 1) % 4 == 0 and log[n - 1] == "repair" for n in timing)
+
+    plain = {"a": lambda: log.append("a")}  # an arm without settle: only its timed calls
+    log.clear()
+    interleaved(plain, rounds=2, warmup=1, inner=2, device=torch.device("cpu"))
+    assert log == ["a"] * 5
