@@ -266,9 +266,11 @@ class Checkpointed:
             device = self._first_param().device
             # logged_policy: the code of the policy in the last row of the counters' policy_log (-1: none),
             # a host int beside the log so that deciding whether to log a change never reads the device;
-            # recorded_step: the last step the counters recorded (the steps after it ran under "off")
+            # recorded_step: the last step the counters recorded (the steps after it ran under "off");
+            # events_sent_step: the step up to which a logger sent ``events`` (integrations/wandb.py), in the
+            # state so that a resumed job does not send the checkpoint's events a second time
             st = {"step": 0, "polyak": init_polyak(device), "train_mode": self._training, "loss_given": False,
-                  "logged_policy": -1, "recorded_step": 0}
+                  "logged_policy": -1, "recorded_step": 0, "events_sent_step": -1}
             self.state[self._carrier()][GLOBAL_KEY] = st
         return st
 
@@ -325,6 +327,7 @@ class Checkpointed:
             # before the flag was stored tell it by a finite loss having been seen
             st.setdefault("loss_given", bool(st["polyak"]["loss_seen"]))
             st.setdefault("recorded_step", st["step"])  # (saved before it was kept: no "off" stretch known)
+            st.setdefault("events_sent_step", -1)  # (saved before it was kept: which were sent is unknown)
 
     def _expected_state(self, group: dict[str, Any], j: int, p: torch.Tensor) -> dict[str, Any]:
         """The state a step creates for parameter ``j`` of ``group`` (``p`` may be a meta tensor: then so are

@@ -8,9 +8,12 @@
 
 Events are sent as a ``wandb.Table`` only when new ones appeared since the last call. ``optimizer.events``
 keeps the last 63 steps that had events, so log at least that often to see every one; the counts in
-``metrics()`` are complete either way. Which events were sent is remembered per optimizer object in this
-process: a new optimizer that loads a checkpoint (a resumed job) or a ``copy.deepcopy`` sends the events its
-history still holds once more.
+``metrics()`` are complete either way. The step up to which events were sent is kept in the optimizer's
+own state (``events_sent_step``, which ``state_dict()`` and every checkpoint carry), so a job resumed from a
+checkpoint sends what came after the last call before that checkpoint — no event twice, none lost — and so
+does a ``copy.deepcopy``. (Until 2026-11-26 it was kept per optimizer object in this process: a resumed job
+sent every event its history still held once more. A checkpoint saved before then has no such entry and
+does the same once.)
 
 Several optimizers in one run (a GAN's two, an encoder's and a decoder's) log the same keys: give each a
 ``prefix`` (``log_optimizer(opt_g, prefix="generator")`` logs ``generator/resolution/events_total``...), or
@@ -25,10 +28,24 @@ from typing import Any
 
 __all__ = ["log_optimizer"]
 
-# optimizer -> the optimizer step up to which its events were sent. A step, not a count of events: the
-# event list is a ring of the last 64 event steps, so its length stops growing and a count-based cursor
-# stopped sending anything once the ring was full. Weak keys: an id() could be reused by a new optimizer.
+# The cursor is the optimizer step up to which events were sent. A step, not a count of events: the event
+# list is a ring of the last 64 event steps, so its length stops growing and a count-based cursor stopped
+# sending anything once the ring was full. It lives in a nonans_optim optimizer's optimizer-level state;
+# here only for an optimizer that has none yet (no step taken: no events either) or any other object with
+# metrics() and events. Weak keys: an id() could be reused by a new optimizer.
 _SENT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_KEY = "events_sent_step"
+
+
+def _sent_step(optimizer) -> int:
+    st = _state(optimizer)
+    return st.get(_KEY, -1) if st is not None else _SENT.get(optimizer, -1)
+
+
+def _state(optimizer) -> dict | None:
+    """The optimizer-level state dict that keeps the cursor, or None (never created here)."""
+    get = getattr(optimizer, "_global_state", None)
+    return get() if callable(get) else None
 
 
 def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events: bool = True,
@@ -49,10 +66,14 @@ def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events
     payload: dict[str, Any] = dict(optimizer.metrics())
     if events:
         now = int(payload.get("optim/step", 0))
-        # min(): a checkpoint from before the last call was loaded, and its later steps are new again
-        sent = min(_SENT.get(optimizer, -1), now)
+        # min(): the optimizer went back to an earlier step since (its state replaced without the cursor)
+        sent = min(_sent_step(optimizer), now)
         new = [e for e in optimizer.events if e.step > sent]
-        _SENT[optimizer] = now
+        st = _state(optimizer)
+        if st is not None:
+            st[_KEY] = now
+        else:
+            _SENT[optimizer] = now
         if new:
             cols = [f.name for f in dataclasses.fields(new[0])]
             payload["resolution/events"] = wandb.Table(
