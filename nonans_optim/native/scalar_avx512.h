@@ -134,8 +134,8 @@ static inline __attribute__((always_inline)) void vec_update_(
 
 #define QUAD_ 4 /* vectors per step of the clean loop (vec_quad_) */
 
-/* The exact path of a quad that failed its test: reloaded (nothing of it has been stored), computed with
- * the gates and stored, vector by vector. Out of line and cold, so that the hot loop keeps no registers
+/* The exact path of a quad that failed its test: reloaded (vec_quad_ has put its loaded values back),
+ * computed with the gates and stored, vector by vector. Out of line and cold, so that the hot loop keeps no registers
  * for it. */
 static __attribute__((noinline, cold)) void quad_exact_(
         const int sf, const int decay_z, float *restrict p, const float *restrict g, float *restrict m,
@@ -150,8 +150,18 @@ static __attribute__((noinline, cold)) void quad_exact_(
 }
 
 /* Four full vectors at j … j + 48 of a clean loop, "off" (gate 0) and the gated one alike: every load and
- * all the arithmetic first, then one test for the four (the sum of their vcheck_ sums), then the stores; a
- * quad that fails takes quad_exact_ instead of the stores.
+ * all the arithmetic first, then the stores; the gated loop then tests the four (the sum of their vcheck_
+ * sums) and, in a quad that fails, puts the loaded values back and takes quad_exact_.
+ *
+ * Why store before the test: the stock values are the exact ones unless the test fails, which a clean step
+ * never does, so the stores need not wait for it. When they came after it (until 2026-11-26), each quad's
+ * stores sat behind a branch on its last vector's y, the end of the divide-and-square-root chain, and the
+ * gated loop held more of the core's window than "off" (our reading of why the late test cost something
+ * once the data was cache-resident, not a measured mechanism). Loop-only scratch A/B (one process alternating the two builds, min of 20 calls, one
+ * tensor, 2 threads; 2026-11-26): repair/off at 65,536 / 262,144 / 1,048,576 entries went from 1.010 /
+ * 1.032 / 1.012 to 0.999 / 1.019 / 1.019 (AdamW) and from 1.062 / 1.046 / 1.024 to 1.005 / 1.018 / 1.014
+ * (SFAdamW); ``python -m experiments simd`` measures the builds as they are. The put-back keeps the four
+ * loaded vectors of p, v and m (or z) alive until the test, which costs registers, not memory traffic.
  *
  * Why four, loads before stores, for "off" too: 4K aliasing. A load whose address matches an older store's
  * in its low 12 bits waits for that store, although the addresses differ; a vector-at-a-time loop whose
@@ -171,26 +181,28 @@ static inline __attribute__((always_inline)) void vec_quad_(
         int64_t *un, int64_t *ub) {
     const __mmask16 all = (__mmask16)0xFFFF;
     __m512 vn[QUAD_], mn[QUAD_], y[QUAD_], zn[QUAD_];
+    vin_t x[QUAD_];
     for (int q = 0; q < QUAD_; q++) {
-        const vin_t x = vin_load_(sf, 1, all, p, g, m, v, z, j + 16 * q, k);
-        zn[q] = x.zo;
-        arith_(sf, decay_z, 0, x.gs, x.vo, x.mo, x.po, x.zo, 0, all, k, &vn[q], &mn[q], &y[q], &zn[q], vb);
-    }
-    if (gate) {
-        /* a pairwise tree: one add fewer than a running sum from zero, which the compiler may not drop
-         * (0 + x is not x for x = -0 without -fno-signed-zeros), and no chain of four. Scratch A/B on the
-         * default GPT, two builds alternating on the same tensors (2026-11-25, 4 processes x 30 rounds, 2
-         * threads; medians of the process medians): repair/off AdamW 1.026 -> 1.017, SFAdamW 1.030 -> 1.028. */
-        _Static_assert(QUAD_ == 4, "the test's tree adds four vcheck_ sums");
-        const __m512 sum = _mm512_add_ps(
-            _mm512_add_ps(vcheck_(sf, vn[0], y[0], zn[0]), vcheck_(sf, vn[1], y[1], zn[1])),
-            _mm512_add_ps(vcheck_(sf, vn[2], y[2], zn[2]), vcheck_(sf, vn[3], y[3], zn[3])));
-        if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0)) {
-            quad_exact_(sf, decay_z, p, g, m, v, z, j, k, vb, un, ub);
-            return;
-        }
+        x[q] = vin_load_(sf, 1, all, p, g, m, v, z, j + 16 * q, k);
+        zn[q] = x[q].zo;
+        arith_(sf, decay_z, 0, x[q].gs, x[q].vo, x[q].mo, x[q].po, x[q].zo, 0, all, k, &vn[q], &mn[q], &y[q], &zn[q],
+               vb);
     }
     for (int q = 0; q < QUAD_; q++) vec_store_(sf, 1, all, p, m, v, z, j + 16 * q, vn[q], mn[q], y[q], zn[q]);
+    if (!gate) return;
+    /* a pairwise tree: one add fewer than a running sum from zero, which the compiler may not drop (0 + x
+     * is not x for x = -0 without -fno-signed-zeros), and no chain of four. Scratch A/B on the default GPT,
+     * two builds alternating on the same tensors (2026-11-25, 4 processes x 30 rounds, 2 threads; medians
+     * of the process medians): repair/off AdamW 1.026 -> 1.017, SFAdamW 1.030 -> 1.028. */
+    _Static_assert(QUAD_ == 4, "the test's tree adds four vcheck_ sums");
+    const __m512 sum = _mm512_add_ps(
+        _mm512_add_ps(vcheck_(sf, vn[0], y[0], zn[0]), vcheck_(sf, vn[1], y[1], zn[1])),
+        _mm512_add_ps(vcheck_(sf, vn[2], y[2], zn[2]), vcheck_(sf, vn[3], y[3], zn[3])));
+    if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0)) {
+        for (int q = 0; q < QUAD_; q++) /* the loaded values back: quad_exact_ reads them again */
+            vec_store_(sf, 1, all, p, m, v, z, j + 16 * q, x[q].vo, x[q].mo, x[q].po, x[q].zo);
+        quad_exact_(sf, decay_z, p, g, m, v, z, j, k, vb, un, ub);
+    }
 }
 
 /* The vectors of [b0, b1), with the lerp form (small: the uniform weight, β₁'s 1-β₁ for AdamW or the
