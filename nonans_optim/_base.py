@@ -120,14 +120,16 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
     def resolution_policy(self, value: str) -> None:
         self._policy = check_policy(value)
 
-    def _get_resolution(self, step: int | None = None) -> Resolution:
+    def _get_resolution(self, step: int | None = None, st: dict[str, Any] | None = None) -> Resolution:
         """The counters, created (or resized, after ``add_param_group``, or restored after a load) on first
         use; ``load_state_dict`` and ``add_param_group`` drop them, so a step finds them already made.
         ``step``: called from that step, which runs under the current policy (``metrics()`` and ``events``
-        read between steps, where a policy just set has not applied to anything yet)."""
+        read between steps, where a policy just set has not applied to anything yet), and ``st``: its
+        optimizer-level state, which it has at hand (one lookup fewer in the host work that only "repair"
+        and "skip" do on every step)."""
         res = self._resolution
         P = self._num_params()
-        st = self._global()
+        st = self._global() if st is None else st
         # (the counters in the state are not this object's when something else replaced the state: a
         # ZeroRedundancyOptimizer or DCP load writes it without going through load_state_dict)
         if res is None or res.num_params != P or st.get("resolution") is not res.tensors:
@@ -259,7 +261,7 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
         their steps hold no matmul."""
         st = self._global()
         st["step"] += 1
-        res = self._get_resolution(st["step"]) if self._policy != "off" else None
+        res = self._get_resolution(st["step"], st) if self._policy != "off" else None
         if res is not None and st["step"] - st.get("recorded_step", st["step"] - 1) > 1:
             res.pass_clean_steps(st["step"] - st["recorded_step"] - 1)  # steps run under "off" since the last record
         ctx = {"step": st["step"], "resolution": res, "counts": [], "loss": self._pending_loss,
