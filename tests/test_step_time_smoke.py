@@ -268,7 +268,7 @@ def test_interleaved_settles_switched_arms_before_each_sample(monkeypatch):
     p.grad = torch.full((4,), 0.1)
     opt = no.AdamW([p], lr=1e-2, impl="fused")
     log: list[str] = []
-    timing: list[bool] = []
+    timing: list[int] = []  # len(log) when pass_clean_steps ran
     real_step, real_pass = opt.step, Resolution.pass_clean_steps
     monkeypatch.setattr(opt, "step", lambda: (log.append(opt.resolution_policy), real_step())[1])
     monkeypatch.setattr(Resolution, "pass_clean_steps",

@@ -135,8 +135,8 @@ static inline __attribute__((always_inline)) void vec_update_(
 #define QUAD_ 4 /* vectors per step of the clean loop (vec_quad_) */
 
 /* The exact path of a quad that failed its test: reloaded (vec_quad_ has put its loaded values back),
- * computed with the gates and stored, vector by vector. Out of line and cold, so that the hot loop keeps no registers
- * for it. */
+ * computed with the gates and stored, vector by vector. Out of line and cold, so that the hot loop keeps
+ * no registers for it. */
 static __attribute__((noinline, cold)) void quad_exact_(
         const int sf, const int decay_z, float *restrict p, const float *restrict g, float *restrict m,
         float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb, int64_t *un, int64_t *ub) {
@@ -157,11 +157,14 @@ static __attribute__((noinline, cold)) void quad_exact_(
  * never does, so the stores need not wait for it. When they came after it (until 2026-11-26), each quad's
  * stores sat behind a branch on its last vector's y, the end of the divide-and-square-root chain, and the
  * gated loop held more of the core's window than "off" (our reading of why the late test cost something
- * once the data was cache-resident, not a measured mechanism). Loop-only scratch A/B (one process alternating the two builds, min of 20 calls, one
- * tensor, 2 threads; 2026-11-26): repair/off at 65,536 / 262,144 / 1,048,576 entries went from 1.010 /
- * 1.032 / 1.012 to 0.999 / 1.019 / 1.019 (AdamW) and from 1.062 / 1.046 / 1.024 to 1.005 / 1.018 / 1.014
- * (SFAdamW); ``python -m experiments simd`` measures the builds as they are. The put-back keeps the four
- * loaded vectors of p, v and m (or z) alive until the test, which costs registers, not memory traffic.
+ * once the data was cache-resident, not a measured mechanism). Loop-only scratch A/B (one process
+ * alternating the two builds, min of 20 calls, one tensor, 2 threads; 2026-11-26): repair/off at 65,536 /
+ * 262,144 / 1,048,576 entries went from 1.010 / 1.032 / 1.012 to 0.999 / 1.019 / 1.019 (AdamW) and from
+ * 1.062 / 1.046 / 1.024 to 1.005 / 1.018 / 1.014 (SFAdamW); ``python -m experiments simd`` measures the
+ * builds as they are (one tensor, whole step), and on the default GPT the same-tensor controls of
+ * ``python -m experiments overhead`` did not resolve the change (they moved more between runs of the same
+ * code). The put-back keeps the four loaded vectors of p, v and m (or z) alive until the test: registers,
+ * some of which gcc spills to the stack.
  *
  * Why four, loads before stores, for "off" too: 4K aliasing. A load whose address matches an older store's
  * in its low 12 bits waits for that store, although the addresses differ; a vector-at-a-time loop whose
