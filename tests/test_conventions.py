@@ -739,3 +739,21 @@ def test_a_checkpoint_holding_several_optimizers_state_loads_without_misplaced_c
     model(torch.randn(8, 4)).square().mean().backward()
     whole.step()
     assert whole.metrics()["optim/step"] == 4.0 and all(torch.isfinite(p).all() for p in params)
+
+
+def test_torch_adamw_arguments_are_taken_as_torch_takes_them():
+    """Code and configs written for torch.optim.AdamW (its amsgrad, maximize, foreach, capturable,
+    differentiable, fused) raised "unexpected keyword argument"; taken now at torch's defaults."""
+    p = [torch.nn.Parameter(torch.randn(3, 2))]
+    assert no.AdamW(p, 1e-3, (0.9, 0.999), 1e-8, 1e-2, False).impl == "auto"  # torch's positional amsgrad
+    assert no.AdamW(p, amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                    fused=None).impl == "auto"
+    assert no.AdamW(p, fused=True).impl == "fused" and no.AdamW(p, foreach=True).impl == "foreach"
+    assert no.AdamW(p, foreach=False, fused=False).impl == "auto"  # which implementation, never the result
+    for kw in ("amsgrad", "maximize", "capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"does not implement {kw}=True"):
+            no.AdamW(p, **{kw: True})
+    with pytest.raises(ValueError, match="cannot be given together"):
+        no.AdamW(p, foreach=True, fused=True)
+    with pytest.raises(ValueError, match="impl='loop' and fused=True"):
+        no.AdamW(p, impl="loop", fused=True)

@@ -16,7 +16,7 @@ from .._validation import check_betas
 from ..functional.schedule_free import SF_BETA_MIN, to_x_, to_y_
 from ._scalar import scalar_init_state, scalar_update
 
-__all__ = ["AdamW", "SFAdamW"]
+__all__ = ["AdamW", "SFAdamW", "torch_flags"]
 
 
 class _ScalarOnly(NonansOptimizer):
@@ -48,10 +48,38 @@ class _ScalarOnly(NonansOptimizer):
                       impl=self.impl)
 
 
+def torch_flags(impl: str, *, amsgrad: Any, maximize: Any, foreach: Any, capturable: Any, differentiable: Any,
+                fused: Any) -> str:
+    """``impl`` after ``torch.optim.AdamW``'s own keyword arguments, which :class:`AdamW` takes so that code
+    and configs written for torch's (Hydra, Lightning, a sweep that spells out torch's defaults) construct
+    ours unchanged — they raised "unexpected keyword argument" (an audit, 2026-11-26). Each is accepted at
+    its torch default; ``foreach=True`` / ``fused=True`` choose that implementation (torch's meaning: which
+    implementation, never the result); a value this library does not implement is refused by name:
+    ``amsgrad``, ``maximize``, ``capturable`` (a CUDA-graph-capturable step), ``differentiable``."""
+    for name, value in (("amsgrad", amsgrad), ("maximize", maximize), ("capturable", capturable),
+                        ("differentiable", differentiable)):
+        if value:  # (falsy values, 0 or None, mean the default, as torch reads them)
+            raise ValueError(f"AdamW does not implement {name}={value!r} (torch.optim.AdamW's {name}; only its "
+                             "default, False, is accepted)")
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value not in (None, True, False):
+            raise ValueError(f"Invalid {name}: {value!r} (must be None, True or False)")
+    if foreach and fused:
+        raise ValueError("foreach=True and fused=True cannot be given together (as in torch.optim.AdamW)")
+    wanted = "fused" if fused else "foreach" if foreach else None
+    if wanted is None or impl == wanted:
+        return impl
+    if impl != "auto":
+        raise ValueError(f"impl={impl!r} and {wanted}=True ask for two implementations; give one")
+    return wanted
+
+
 class AdamW(_ScalarOnly):
     """AdamW (Loshchilov & Hutter 2019) that repairs NaN/Inf gradients inside ``step()``.
 
-    Args mirror ``torch.optim.AdamW``; ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
+    Args mirror ``torch.optim.AdamW``, its ``amsgrad``, ``maximize``, ``foreach``, ``capturable``,
+    ``differentiable`` and ``fused`` included (accepted at torch's defaults; ``foreach=True`` and
+    ``fused=True`` pick that ``impl``; see :func:`torch_flags`); ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
     ``impl`` is ``"auto"`` (default: ``"fused"``'s native loop where it covers a group — contiguous fp32
     CPU tensors, a C compiler —, else ``"foreach"``; never a compile step or a warning), ``"foreach"``,
     ``"loop"`` (the readable ground truth), ``"compiled"`` (torch.compile) or ``"fused"`` (one native CPU
@@ -74,9 +102,13 @@ class AdamW(_ScalarOnly):
     (RESULTS.md)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, warmup_steps: int = 0,
-                 resolution: str = "repair", impl: str = "auto", spike_factor: float | None = None):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, warmup_steps: int = 0, resolution: str = "repair", impl: str = "auto",
+                 spike_factor: float | None = None):
         check_betas("betas", betas)  # before tuple(): a scalar must get this message, not a TypeError
+        impl = torch_flags(impl, amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                           differentiable=differentiable, fused=fused)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         warmup_steps=warmup_steps)
         super().__init__(params, defaults, resolution=resolution, impl=impl, spike_factor=spike_factor)
