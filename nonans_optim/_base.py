@@ -167,11 +167,14 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
         eval() swapped the parameters but left the mode "train" (an audit, 2026-11-25; torch disables
         dynamo on its own zero_grad and load_state_dict the same way)."""
         if isinstance(loss, numbers.Real) and not isinstance(loss, (bool, np.bool_)):
-            loss = torch.tensor(float(loss))
+            try:
+                loss = torch.tensor(float(loss))
+            except OverflowError:  # an int past float's range (10**400): no float loss to keep
+                raise ValueError(f"set_loss got {loss!r:.40}, which no float can hold") from None
         if isinstance(loss, np.ndarray) and loss.size == 1 and loss.dtype.kind in "iuf":
             loss = torch.tensor(float(loss.reshape(())))
         if (not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dtype == torch.bool
-                or loss.is_complex()):
+                or loss.is_complex() or loss.is_meta):  # (a meta tensor has no value: step() failed halfway)
             raise ValueError(f"set_loss expects a real scalar loss (a number or a one-element real tensor), "
                              f"got {loss!r:.80}")
         self._pending_loss = loss.detach()
@@ -233,18 +236,27 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
                 loss = closure()
         for group in self.param_groups:  # validate before any state changes (the closure made the grads)
             for p in group["params"]:
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                if p.grad.is_sparse:
+                if g.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if p.grad.dtype != p.dtype:  # only reachable through p.grad.data = ...: torch's setter refuses it
-                    raise RuntimeError(f"{type(self).__name__}: a gradient of dtype {p.grad.dtype} for a parameter "
-                                       f"of dtype {p.dtype} (shape {tuple(p.shape)}); gradients must have their "
-                                       "parameter's dtype")
+                # dtype, shape, device: only reachable through p.grad.data = ... (torch's setter refuses them).
+                # The native loops trust the sizes: a gradient of 10 entries for a parameter of 20M was read
+                # out of bounds and crashed the process (an audit, 2026-11-26); torch's AdamW raises
+                # (is not, get_device: the cheapest forms, asked per parameter per step; meta and CPU share -1,
+                # and a meta gradient is refused by every kernel's own device check before it writes)
+                if g.dtype is not p.dtype or g.shape != p.shape or g.get_device() != p.get_device():
+                    raise RuntimeError(f"{type(self).__name__}: a gradient of dtype {g.dtype}, shape "
+                                       f"{tuple(g.shape)} on {g.device} for a parameter of dtype {p.dtype}, shape "
+                                       f"{tuple(p.shape)} on {p.device}; a gradient must have its parameter's "
+                                       "dtype, shape and device")
         if not self._num_params():
             return loss
         device_type = self._first_param().device.type
-        if torch.is_autocast_enabled(device_type):  # a step() called inside the user's autocast region
+        # (is_autocast_enabled raises for a device type autocast does not know: meta parameters, whose step
+        # torch's AdamW runs)
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
                 self._run_step()
         else:

@@ -41,9 +41,6 @@ __all__ = ["Checkpointed", "check_loadable", "with_group_defaults", "step_from_p
 # checkpoints are still loaded (:func:`move_global_to_carrier`).
 GLOBAL_KEY = "nonans"
 
-# torch.optim.AdamW group flags whose non-default value changes the algorithm; this library has neither.
-_UNSUPPORTED = {"amsgrad": False, "maximize": False}
-
 # Instance attributes a copy (copy.deepcopy, pickle) must carry besides torch's defaults, state and
 # param_groups: the settings read at every step() (torch's __getstate__ keeps only its own three, so a
 # deep copy had no policy, impl or mode and failed at its first step). Caches (the counters' Resolution
@@ -180,17 +177,25 @@ def check_loadable(opt, state_dict: dict[str, Any], named: list[bool] | None = N
         return
     name = type(opt).__name__
     state = state_dict.get("state", {})
+    glob = global_entry(state_dict)
+    if glob is not None:
+        check_global(opt, glob[1], name)
     for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        used = sorted(k for k, off in _UNSUPPORTED.items() if saved.get(k, off) != off)
-        if used:
-            raise ValueError(f"this state_dict does not fit {name}: param group {i} uses {used}, which "
-                             f"{name} does not implement")
+        try:  # the constructor's checks on the group as it will be loaded (a copy of the caller's: see
+            # with_group_defaults), normalising it as they do: a loaded eps=nan, lr=-1 or betas=(1.5, 0.9)
+            # passed and trained wrong or failed halfway through a later step (an audit, 2026-11-26)
+            opt._check_group(saved)
+        except ValueError as err:
+            raise ValueError(f"this state_dict does not fit {name}: param group {i}: {err}") from None
         merged = {**saved, "params": group["params"]}
         for j, (pid, p) in enumerate(zip(saved["params"], group["params"])):
             st = state.get(pid)
+            where = f"the state of parameter {j} of group {i} (shape {tuple(p.shape)})"
+            if pid in state and not isinstance(st, dict):
+                raise ValueError(f"this state_dict does not fit {name}: {where} is a {type(st).__name__}, "
+                                 "not a dict")
             if needs_init(st or {}):
                 continue
-            where = f"the state of parameter {j} of group {i} (shape {tuple(p.shape)})"
             expected = opt._expected_state(merged, j, torch.empty_like(p, device="meta"))
             lacking = sorted(set(expected) - set(st))
             if lacking:
@@ -206,6 +211,42 @@ def check_loadable(opt, state_dict: dict[str, Any], named: list[bool] | None = N
                     raise ValueError(f"this state_dict does not fit {name}: {where} has {key!r} of shape "
                                      f"{shape}, this optimizer keeps {tuple(want.shape)} (was it saved for "
                                      "another model?)")
+
+
+def check_global(opt, glob: dict[str, Any], name: str) -> None:
+    """Raise ValueError when the optimizer-level dict of a checkpoint lacks what a step reads, or holds it in
+    a form the step cannot take: the load swapped such a dict in and every later ``step()`` failed (a
+    missing ``step`` or ``polyak``: KeyError; a float step tensor: a ctypes error halfway through a step,
+    parameters already updated; counters without ``scale``: KeyError), so the optimizer was lost (an audit,
+    2026-11-26). The counters are loaded into a scratch copy here, with the checks their real load runs at
+    the next step (shapes, the parameter count)."""
+    from .functional.polyak import init_polyak
+    from .resolution import Resolution
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"this state_dict does not fit {name}: its optimizer-level state ({GLOBAL_KEY!r}) {what}")
+
+    step = glob.get("step")
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point() and not step.is_complex():
+        step = int(step)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise bad(f"has step {glob.get('step')!r}, not a non-negative integer")
+    polyak = glob.get("polyak")
+    lacking = sorted(set(init_polyak(torch.device("cpu"))) - set(polyak)) if isinstance(polyak, dict) else None
+    if lacking is None or lacking:
+        raise bad(f"has no Polyak state {lacking or ''}".rstrip())
+    res = glob.get("resolution")
+    if res is not None:
+        if not isinstance(res, dict) or not all(isinstance(v, torch.Tensor) for v in res.values()):
+            raise bad("holds resolution counters that are not a dict of tensors")
+        P = opt._num_params()
+        scratch = Resolution(opt.resolution_policy, P, torch.device("cpu"))
+        try:
+            if "scale" not in res or res["scale"].ndim != 1 or res["scale"].shape[0] > P:
+                raise ValueError(f"resolution state has no per-parameter 'scale' for at most {P} parameters")
+            scratch.load_state_dict({k: v.to("cpu") for k, v in res.items()}, grow=True)
+        except ValueError as err:
+            raise bad(f"does not load: {err}") from None
 
 
 def step_from_params(state_dict: dict[str, Any]) -> int | None:
@@ -322,6 +363,7 @@ class Checkpointed:
             carrier = self._all_params()[saved[0]]
             self._carrier_cache = carrier
             st = self.state[carrier][GLOBAL_KEY] = copy_to(saved[1], self._first_param().device)
+            st["step"] = int(st["step"])  # (check_global allowed an integer 0-d tensor: the step is a host int)
             self._training = bool(st.get("train_mode", True))
             # whether set_loss() was ever called (it turns the Polyak step on for good); checkpoints saved
             # before the flag was stored tell it by a finite loss having been seen

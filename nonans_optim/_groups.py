@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._validation import FP32_MAX, _check_float, _check_int, check_betas
+from ._validation import FP32_MAX, _check_float, _check_int, check_betas, check_unsupported
 
 __all__ = ["GroupAdmission"]
 
@@ -61,8 +61,10 @@ class GroupAdmission:
             wrapped = [type(p).__name__ for p in params if is_traceable_wrapper_subclass(p)]
             if wrapped:  # the fused kernels read storage such a tensor does not have (DTensor: a null pointer)
                 raise ValueError(f"{wrapped[0]} parameters are not supported (FSDP2's fully_shard and tensor "
-                                 "parallelism shard parameters as DTensors; the spectral step needs whole "
-                                 "matrices): use DDP or a single device")
+                                 "parallelism shard parameters as DTensors: the native and Triton kernels read a "
+                                 "tensor's own storage, which a DTensor does not have, the resolution counters "
+                                 "are per whole parameter, and the spectral step needs whole matrices): use DDP "
+                                 "or a single device")
             devices = {p.device for g in self.param_groups for p in g["params"]}
             if len(devices) > 1:  # the counters, γ and the Polyak EMAs live on the first parameter's device,
                 # and a kernel given another device's addresses would read the wrong memory
@@ -97,6 +99,7 @@ class GroupAdmission:
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError naming a bad hyperparameter of ``group`` (the defaults, or one param group);
         subclasses add theirs. ``warmup_steps`` is normalised to an int in place."""
+        check_unsupported(group, type(self).__name__)
         _check_float("lr", group["lr"], high=FP32_MAX, device_ok=True)
         _check_float("weight_decay", group.get("weight_decay", 0.0), high=FP32_MAX)
         if "eps" in group:

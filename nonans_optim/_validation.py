@@ -6,9 +6,11 @@ import math
 import numbers
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
-__all__ = ["_check_float", "_check_int", "check_betas", "FP32_MAX", "FP32_TINY"]
+__all__ = ["_check_float", "_check_int", "check_betas", "check_unsupported", "FP32_MAX", "FP32_TINY",
+           "UNSUPPORTED"]
 
 #: The largest and the smallest normal fp32 values. The step computes in fp32 (γ is built as an fp32 tensor,
 #: the native loops take fp32 arguments): lr, weight_decay and eps above FP32_MAX made ``step()`` raise
@@ -35,7 +37,9 @@ def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.
                              "for a device tensor is a sync at every step; pass a float or a CPU tensor (only lr "
                              "may live on the parameters' device)")
         value = float(value)  # construction time only, never inside step()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    # numbers.Real, not (int, float): numpy's scalars (np.float32(1e-3), a value read from a config array)
+    # were refused as "not a finite number", which torch.optim.AdamW accepts
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)) or not math.isfinite(value):
         raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")
     if value < low or value > high or (high_open and value >= high):
         bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
@@ -56,3 +60,17 @@ def check_betas(name: str, betas: Iterable[float]) -> None:
         raise ValueError(f"Invalid {name}: {betas!r} (must be a pair (beta1, beta2))")
     for i, b in enumerate(betas):
         _check_float(f"{name}[{i}]", b, high=1.0, high_open=True)
+
+
+# torch.optim.AdamW group flags whose non-default value changes the algorithm; this library has neither.
+UNSUPPORTED = {"amsgrad": False, "maximize": False}
+
+
+def check_unsupported(group: dict[str, Any], name: str) -> None:
+    """Refuse a group that sets a torch.optim flag this library does not implement: ``maximize=True`` was
+    accepted and ignored, so a run meant to ascend descended (an audit, 2026-11-26), and the optimizer
+    could not load its own state_dict afterwards."""
+    used = sorted(k for k, off in UNSUPPORTED.items() if group.get(k, off) != off)
+    if used:
+        hint = " (minimise the negated objective instead)" if "maximize" in used else ""
+        raise ValueError(f"{name} does not implement {', '.join(f'{k}={group[k]!r}' for k in used)}{hint}")
