@@ -181,13 +181,14 @@ def check_loadable(opt, state_dict: dict[str, Any], named: list[bool] | None = N
     if glob is not None:
         check_global(opt, glob[1], name)
     for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        try:  # the constructor's checks on the group as it will be loaded (a copy of the caller's: see
-            # with_group_defaults), normalising it as they do: a loaded eps=nan, lr=-1 or betas=(1.5, 0.9)
-            # passed and trained wrong or failed halfway through a later step (an audit, 2026-11-26)
-            opt._check_group(saved)
+        merged = {**saved, "params": group["params"]}  # (the checks look at the tensors: a path's shapes)
+        try:  # the constructor's checks on the group as it will be loaded, normalising it as they do (into
+            # ``saved``, a copy of the caller's: see with_group_defaults): a loaded eps=nan, lr=-1 or betas=(1.5,
+            # 0.9) passed and trained wrong or failed halfway through a later step (an audit, 2026-11-26)
+            opt._check_group(merged)
         except ValueError as err:
             raise ValueError(f"this state_dict does not fit {name}: param group {i}: {err}") from None
-        merged = {**saved, "params": group["params"]}
+        saved.update({k: v for k, v in merged.items() if k != "params"})
         for j, (pid, p) in enumerate(zip(saved["params"], group["params"])):
             st = state.get(pid)
             where = f"the state of parameter {j} of group {i} (shape {tuple(p.shape)})"

@@ -218,7 +218,8 @@ def library() -> ctypes.CDLL | None:
     says why once on the ``nonans_optim.native`` logger (INFO), for whoever wonders where the speed went."""
     lib = _load()
     if lib is None:
-        logging.getLogger(__name__).info("native kernels unavailable, impl='auto' runs foreach: %s", failure())
+        logging.getLogger(__name__).info("native kernels unavailable (impl='auto' runs foreach, impl='fused' "
+                                         "compiled): %s", failure())
     return lib
 
 
