@@ -79,7 +79,8 @@ class AdamW(_ScalarOnly):
 
     Args mirror ``torch.optim.AdamW``, its ``amsgrad``, ``maximize``, ``foreach``, ``capturable``,
     ``differentiable`` and ``fused`` included (accepted at torch's defaults; ``foreach=True`` and
-    ``fused=True`` pick that ``impl``; see :func:`torch_flags`); ``resolution`` is ``"repair"`` (default), ``"skip"`` or ``"off"``;
+    ``fused=True`` pick that ``impl``; see :func:`torch_flags`); ``resolution`` is ``"repair"`` (default),
+    ``"skip"`` or ``"off"``;
     ``impl`` is ``"auto"`` (default: ``"fused"``'s native loop where it covers a group — contiguous fp32
     CPU tensors, a C compiler —, else ``"foreach"``; never a compile step or a warning), ``"foreach"``,
     ``"loop"`` (the readable ground truth), ``"compiled"`` (torch.compile) or ``"fused"`` (one native CPU
