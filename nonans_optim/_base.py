@@ -244,8 +244,8 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
                 # dtype, shape, device: only reachable through p.grad.data = ... (torch's setter refuses them).
                 # The native loops trust the sizes: a gradient of 10 entries for a parameter of 20M was read
                 # out of bounds and crashed the process (an audit, 2026-11-26); torch's AdamW raises
-                # (is not, get_device: the cheapest forms, asked per parameter per step; meta and CPU share -1,
-                # and a meta gradient is refused by every kernel's own device check before it writes)
+                # (is not, get_device: the cheapest forms, asked per parameter per step. Meta and CPU share -1:
+                # a meta gradient on a CPU parameter passes here and fails at the step's first op, as in torch)
                 if g.dtype is not p.dtype or g.shape != p.shape or g.get_device() != p.get_device():
                     raise RuntimeError(f"{type(self).__name__}: a gradient of dtype {g.dtype}, shape "
                                        f"{tuple(g.shape)} on {g.device} for a parameter of dtype {p.dtype}, shape "
