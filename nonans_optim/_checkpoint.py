@@ -240,11 +240,8 @@ def check_global(opt, glob: dict[str, Any], name: str) -> None:
     if res is not None:
         if not isinstance(res, dict) or not all(isinstance(v, torch.Tensor) for v in res.values()):
             raise bad("holds resolution counters that are not a dict of tensors")
-        P = opt._num_params()
-        scratch = Resolution(opt.resolution_policy, P, torch.device("cpu"))
-        try:
-            if "scale" not in res or res["scale"].ndim != 1 or res["scale"].shape[0] > P:
-                raise ValueError(f"resolution state has no per-parameter 'scale' for at most {P} parameters")
+        scratch = Resolution(opt.resolution_policy, opt._num_params(), torch.device("cpu"))
+        try:  # (its own checks: the keys, 'scale' per parameter, every shape against the parameter count)
             scratch.load_state_dict({k: v.to("cpu") for k, v in res.items()}, grow=True)
         except ValueError as err:
             raise bad(f"does not load: {err}") from None

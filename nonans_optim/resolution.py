@@ -383,6 +383,8 @@ class Resolution:
         missing = set(self.tensors) - set(state) - {"ring_held"}  # (checkpoints before it: no held steps)
         if missing:
             raise ValueError(f"resolution state is missing {sorted(missing)}")
+        if state["scale"].ndim != 1:  # (its length is the saved parameter count every other shape is checked by)
+            raise ValueError(f"resolution state 'scale' has shape {tuple(state['scale'].shape)}, expected (P,)")
         P, P0 = self.num_params, state["scale"].shape[0]
         for k, v in state.items():
             if k in self.tensors and v.shape != self.tensors[k].shape and not (grow and P0 < P):

@@ -37,11 +37,6 @@ _SENT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _KEY = "events_sent_step"
 
 
-def _sent_step(optimizer) -> int:
-    st = _state(optimizer)
-    return st.get(_KEY, -1) if st is not None else _SENT.get(optimizer, -1)
-
-
 def _state(optimizer) -> dict | None:
     """The optimizer-level state dict that keeps the cursor, or None (never created here)."""
     get = getattr(optimizer, "_global_state", None)
@@ -67,9 +62,9 @@ def log_optimizer(optimizer, *, step: int | None = None, run: Any = None, events
     if events:
         now = int(payload.get("optim/step", 0))
         # min(): the optimizer went back to an earlier step since (its state replaced without the cursor)
-        sent = min(_sent_step(optimizer), now)
-        new = [e for e in optimizer.events if e.step > sent]
         st = _state(optimizer)
+        sent = min(st.get(_KEY, -1) if st is not None else _SENT.get(optimizer, -1), now)
+        new = [e for e in optimizer.events if e.step > sent]
         if st is not None:
             st[_KEY] = now
         else:
