@@ -63,6 +63,21 @@ def overflow_run(cls, policy):
         opt.step()
     return params, opt
 
+def v_only_run(cls, n, pos):
+    # A finite gradient entry whose square overflows: only its new v is non-finite (d = m / Inf = 0 leaves
+    # y and z finite), the one value the AVX-512 loop's test (vcheck_'s v·y + z) sees through a product —
+    # in a four-vector step of the clean loop (n = 256) and in a partial last vector (n = 17).
+    torch.manual_seed(6)
+    p = torch.randn(n, requires_grad=True)
+    opt = getattr(no, cls)([p], lr=1e-3, resolution="repair", impl="fused", spike_factor=None)
+    for step in range(3):
+        p.grad = torch.randn(n) * 1e-3
+        if step == 1:
+            p.grad[pos] = 1e30
+        opt.step()
+    assert opt.state_dict()["state"][0]["exp_avg_sq"].isfinite().all()
+    return [p], opt
+
 def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
     # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
     # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
@@ -113,6 +128,9 @@ for cls in ("AdamW", "SFAdamW"):
             (1e-3, 0.0, 38.5, 19.0, {}))):  # eps = 0: no bound (clean_limit_ is 0), AVX2's late test decides
         params, opt = magnitude_run(cls, lr, eps, top, top_grad, **kw)
         out[(cls, "magnitude", i)] = (params, opt.state_dict())
+    for n, pos in ((256, 5), (256, 63), (17, 16)):
+        params, opt = v_only_run(cls, n, pos)
+        out[(cls, "v_only", n, pos)] = (params, opt.state_dict())
 for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
     params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, **kw)
     out[i] = (params, opt.state_dict())

@@ -99,9 +99,20 @@ static inline __attribute__((always_inline)) void vec_store_(
     else vstore_(full, lm, m + j, mn);
 }
 
-/* The sum the speculation tests: a NaN or ±Inf in new v, y (or z) makes it non-finite. */
-static inline __attribute__((always_inline)) __m512 vcheck_(const int sf, __m512 vn, __m512 y, __m512 zn) {
-    return sf ? _mm512_add_ps(_mm512_add_ps(vn, y), zn) : _mm512_add_ps(vn, y);
+/* The value the speculation tests, non-finite wherever new v, y or (schedule-free) z is: v·y + z (AdamW:
+ * v·y + acc, acc a former check or 0 for none), one FMA. A product or sum with a NaN or ±Inf operand is
+ * NaN or ±Inf — 0·Inf is NaN, Inf - Inf is NaN — so no non-finite value goes unseen; a finite v·y or sum
+ * can still overflow (|v·y| beyond FLT_MAX: a gradient near 1e15 beside a parameter near 1e8), which only
+ * sends the vector to the exact path, whose values are then the same. Why a product and not the sum
+ * v + y + z it replaced: one operation for three values instead of two — the test is most of what the
+ * clean gated loop adds to "off" (with no test at all it ran at "off"'s speed), and 512-bit FP operations
+ * share two ports with the divides and square roots that bound the loop. A scratch driver calling
+ * nonans_scalar_step on the default GPT's 52 tensors, the two builds and "off" interleaved in one process
+ * (2026-11-26, Intel Xeon with AVX-512, 4 processes x 100 rounds, 2 threads): repair/off SFAdamW
+ * 1.026-1.050 → 1.011-1.037, the new build 1.2-1.8% faster in every process; AdamW about 0.5%. */
+static inline __attribute__((always_inline)) __m512 vcheck_(const int sf, __m512 vn, __m512 y, __m512 zn,
+                                                             __m512 acc) {
+    return _mm512_fmadd_ps(vn, y, sf ? zn : acc);
 }
 
 /* One vector of update_block at entry j. Counts: vb, non-finite new v (the loop's moment stage, before
@@ -109,11 +120,11 @@ static inline __attribute__((always_inline)) __m512 vcheck_(const int sf, __m512
  * tensor, computed with the gates throughout (a compile-time constant, so the clean loop tests nothing
  * else).
  *
- * Speculate, then verify, in registers: the stock arithmetic first, then one test of new v + y (+ z).
+ * Speculate, then verify, in registers: the stock arithmetic first, then one test of vcheck_'s v·y (+ z).
  * A non-finite gradient entry makes its new v non-finite (NaN² is NaN, ±Inf² is Inf), and a new v, y or
- * z that is NaN or ±Inf makes the sum so; when the test finds nothing, no gate would have selected
+ * z that is NaN or ±Inf makes the check so; when the test finds nothing, no gate would have selected
  * anything and the stock values are the exact ones. Only a vector that fails it is computed again with
- * the gates — from the inputs still in registers, since nothing has been stored. The sum can also
+ * the gates — from the inputs still in registers, since nothing has been stored. The check can also
  * overflow where every term is finite; that only takes the exact path. A new m that overflowed (AdamW)
  * is not in the test, and needs not be: it makes d, and so y, non-finite. */
 static inline __attribute__((always_inline)) void vec_update_(
@@ -126,7 +137,8 @@ static inline __attribute__((always_inline)) void vec_update_(
         vec_exact_(sf, decay_z, &x, lm, k, hold, skip_all, &vn, &mn, &y, &zn, vb, un, ub);
     } else {
         arith_(sf, decay_z, 0, x.gs, x.vo, x.mo, x.po, x.zo, 0, lm, k, &vn, &mn, &y, &zn, vb);
-        if (gate && __builtin_expect((_mm512_fpclass_ps_mask(vcheck_(sf, vn, y, zn), NONFINITE_) & lm) != 0, 0))
+        if (gate && __builtin_expect(
+                (_mm512_fpclass_ps_mask(vcheck_(sf, vn, y, zn, _mm512_setzero_ps()), NONFINITE_) & lm) != 0, 0))
             vec_exact_(sf, decay_z, &x, lm, k, 0, 0, &vn, &mn, &y, &zn, vb, un, ub);
     }
     vec_store_(sf, full, lm, p, m, v, z, j, vn, mn, y, zn);
@@ -150,8 +162,8 @@ static __attribute__((noinline, cold)) void quad_exact_(
 }
 
 /* Four full vectors at j … j + 48 of a clean loop, "off" (gate 0) and the gated one alike: every load and
- * then each vector's arithmetic and its stores; the gated loop then tests the four (the sum of their
- * vcheck_ sums) and, in a quad that fails, puts the loaded values back and takes quad_exact_.
+ * then each vector's arithmetic and its stores; the gated loop then tests the four (schedule-free: the sum of
+ * their vcheck_ values; AdamW: one vcheck_ chain through the four) and, in a quad that fails, puts the loaded values back and takes quad_exact_.
  *
  * Why store before the test: the stock values are the exact ones unless the test fails, which a clean step
  * never does, so the stores need not wait for it. When they came after it (until 2026-11-26), each quad's
@@ -190,20 +202,23 @@ static inline __attribute__((always_inline)) void vec_quad_(
      * stay live: the put-back's registers spilled less, and both policies ran faster (loop-only scratch
      * A/B, 2026-11-26, against storing the four at the end: "off" and "repair" both 0.7-4% faster at
      * 65K/262K/1M entries, AdamW and SFAdamW) */
-    __m512 check[QUAD_];
+    __m512 check[QUAD_], chain = _mm512_setzero_ps();
     for (int q = 0; q < QUAD_; q++) {
         __m512 vn, mn, y, zn = x[q].zo;
         arith_(sf, decay_z, 0, x[q].gs, x[q].vo, x[q].mo, x[q].po, x[q].zo, 0, all, k, &vn, &mn, &y, &zn, vb);
         vec_store_(sf, 1, all, p, m, v, z, j + 16 * q, vn, mn, y, zn);
-        if (gate) check[q] = vcheck_(sf, vn, y, zn);
+        if (gate && sf) check[q] = vcheck_(sf, vn, y, zn, chain);
+        else if (gate) chain = vcheck_(sf, vn, y, zn, chain); /* AdamW: v·y added to the former check */
     }
     if (!gate) return;
-    /* a pairwise tree: one add fewer than a running sum from zero, which the compiler may not drop (0 + x
-     * is not x for x = -0 without -fno-signed-zeros), and no chain of four. Scratch A/B on the default GPT,
-     * two builds alternating on the same tensors (2026-11-25, 4 processes x 30 rounds, 2 threads; medians
-     * of the process medians): repair/off AdamW 1.026 -> 1.017, SFAdamW 1.030 -> 1.028. */
-    _Static_assert(QUAD_ == 4, "the test's tree adds four vcheck_ sums");
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(check[0], check[1]), _mm512_add_ps(check[2], check[3]));
+    /* schedule-free: a pairwise tree, no chain of four (the former test's sums, the same tree: scratch A/B
+     * on the default GPT, 2026-11-25, against a running sum from zero: repair/off AdamW 1.026 -> 1.017,
+     * SFAdamW 1.030 -> 1.028). AdamW's chain takes one FMA per vector and no add; a chain of six FMAs for
+     * schedule-free (products of z and y as well) measured no faster than this tree (same driver as
+     * vcheck_'s, 2026-11-26). */
+    _Static_assert(QUAD_ == 4, "the test's tree adds four vcheck_ values");
+    const __m512 sum = sf ? _mm512_add_ps(_mm512_add_ps(check[0], check[1]), _mm512_add_ps(check[2], check[3]))
+                          : chain;
     if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0)) {
         for (int q = 0; q < QUAD_; q++) /* the loaded values back: quad_exact_ reads them again */
             vec_store_(sf, 1, all, p, m, v, z, j + 16 * q, x[q].vo, x[q].mo, x[q].po, x[q].zo);

@@ -8,10 +8,11 @@
  * turns each `count += !finite(x)` into a mask, a zero-masked move of a ones vector and a vector add —
  * three 512-bit ops per count, which on Zen 4 (512-bit ops issued as two 256-bit halves) cost more than
  * the gates themselves: the portable AdamW "repair" loop ran 1.7x its "off" loop on cache-resident data.
- * Here the loops speculate and verify in registers: the stock arithmetic, one VFPCLASSPS test of the sum
- * of the new values (a NaN or ±Inf in any term makes the sum non-finite), and only a vector that fails —
- * none on a clean step — is recomputed with the gates and counted (POPCNT on the integer ports); the
- * (SF-)AdamW loop tests four vectors at once (scalar_avx512.h, vec_quad_). */
+ * Here the loops speculate and verify in registers: the stock arithmetic, one VFPCLASSPS test of a sum of
+ * the new values (the (SF-)AdamW loop: of products and sums, scalar_avx512.h's vcheck_; a NaN or ±Inf in
+ * any term makes it non-finite), and only a vector that fails — none on a clean step — is recomputed with
+ * the gates and counted (POPCNT on the integer ports); the (SF-)AdamW loop tests four vectors at once
+ * (scalar_avx512.h, vec_quad_). */
 #ifndef NONANS_SIMD_AVX512_H
 #define NONANS_SIMD_AVX512_H
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(NONANS_PORTABLE) && !defined(NONANS_NO_AVX512)
