@@ -96,21 +96,25 @@ static void narrow_row_(const float *restrict src, void *restrict dst, int bf16,
     for (int64_t j = 0; j < C; j++) h[j] = f32_to_bf16_(src[j]);
 }
 
-/* Pass 2 over one row: Σ M², with M recomputed rather than stored (a stored fp32 M cost a 4-byte write
- * and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway). pr/ar:
- * MONA's G_prev and A rows (read only here; NULL without MONA). */
+/* Passes 1 and 2 over one row: Σ M², with M recomputed rather than stored (a stored fp32 M cost a 4-byte
+ * write and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway).
+ * pr/ar: MONA's G_prev and A rows (read only here; NULL without MONA). gss (want_g, a compile-time
+ * constant): also Σ g² (fp32), in the same loop — the spike guard's sum and the row's finiteness test. */
 static inline __attribute__((always_inline)) double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
                        float one_m_mu, float mu, int nesterov, const int mona, const mona_t mo,
-                       const float *restrict pr, const float *restrict ar, int bf16, int *big) {
-    float part = 0.0f;
+                       const float *restrict pr, const float *restrict ar, int bf16, int *big,
+                       const int want_g, float *gss) {
+    float part = 0.0f, gpart = 0.0f;
     int ov = 0; /* counted in pass 3, which writes */
-#pragma omp simd reduction(+ : part, ov)
+#pragma omp simd reduction(+ : part, ov, gpart)
     for (int64_t j = 0; j < C; j++) {
         float nb, pn, an;
         const float M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
                                         mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an, bf16, &ov);
         part += M * M;
+        if (want_g) gpart += gr[j] * gr[j];
     }
+    if (want_g) *gss = gpart;
     /* Exact enough unless a square overflowed or the row is so small that squares lost precision (or
      * underflowed): then this row, still in cache, again in double — the NS5 input stays scale invariant
      * over fp32's whole range (tests/test_fused_spectral.py). *big: a square overflowed (some |M| above
@@ -130,16 +134,19 @@ static inline __attribute__((always_inline)) double row_msq_(const float *restri
 
 /* row_msq_ with the gate and MONA as compile-time constants in each branch. Only a row with a non-finite
  * entry takes the gated loop: elsewhere the gate selects g anyway, and the select costs in this
- * compute-bound loop (about 0.4 ms of a 3.1M-entry step). */
+ * compute-bound loop (about 0.4 ms of a 3.1M-entry step). gss (ungated only; NULL: not wanted): Σ g². */
 static double row_msq_dispatch_(const float *restrict gr, const float *restrict bo, int64_t C, float s,
                                 int gated, float one_m_mu, float mu, int nesterov, const mona_t *mo,
-                                const float *restrict pr, const float *restrict ar, int bf16, int *big) {
+                                const float *restrict pr, const float *restrict ar, int bf16, int *big,
+                                float *gss) {
     const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
     if (mo != NULL)
-        return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 1, m, pr, ar, bf16, big)
-                     : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar, 0, big);
-    return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 0, m, NULL, NULL, bf16, big)
-                 : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 0, m, NULL, NULL, 0, big);
+        return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 1, m, pr, ar, bf16, big, 0, NULL)
+               : gss ? row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar, 0, big, 1, gss)
+                     : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar, 0, big, 0, NULL);
+    return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 0, m, NULL, NULL, bf16, big, 0, NULL)
+           : gss ? row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 0, m, NULL, NULL, 0, big, 1, gss)
+                 : row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 0, m, NULL, NULL, 0, big, 0, NULL);
 }
 
 /* Σ M² of one row for passes 1 and 2. ok: the row's row_ok entry (NULL under "off"). A row whose
@@ -153,10 +160,11 @@ static double row_msq_checked_(const float *restrict gr, const float *restrict b
                                const float *restrict pr, const float *restrict ar, int bf16) {
     int big = 0;
     const int gated = ok != NULL && *ok != 1;
-    const double sum = row_msq_dispatch_(gr, bo, C, s, gated, one_m_mu, mu, nesterov, mo, pr, ar, bf16, &big);
+    const double sum = row_msq_dispatch_(gr, bo, C, s, gated, one_m_mu, mu, nesterov, mo, pr, ar, bf16, &big,
+                                         NULL);
     if (ok == NULL || gated || !big) return sum;
     *ok = ROW_GATED;
-    return row_msq_dispatch_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, mo, pr, ar, bf16, &big);
+    return row_msq_dispatch_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, mo, pr, ar, bf16, &big, NULL);
 }
 
 /* Pass 3 over one row: in place, b becomes the new buffer value (and pr/ar MONA's new rows) and x the NS5
@@ -265,40 +273,62 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             double *gsq = part + row_off[i], *msq = part + total_rows + row_off[i];
             /* pass 1: gradient statistics and, speculating that the spike guard will not fire (s = 1),
              * the row sums of M². Nothing is written before pass 3, so a wrong guess costs one more
-             * read-only pass over this tensor (pass 2), and only on a step where the guard fires. */
+             * read-only pass over this tensor (pass 2), and only on a step where the guard fires.
+             * Under a gate, Σ g² rides in the ungated Σ M² loop (row_msq_'s gss), speculating too — that
+             * the row is entirely finite: a separate Σ g² loop before it was all of what "repair" added
+             * to this loop's time (Muon on the default GPT: about 0.5 ms of a 4-5 ms pre call with it,
+             * none without it; a scratch A/B of two builds in one process, 2026-11-26). A row where
+             * the guess fails (a NaN or ±Inf g makes Σ g² non-finite) is summed again gated, from cache. */
             const size_t bsz = buf_bf16 ? 2 : 4, xsz = x_bf16 ? 2 : 4;
             int64_t nan_c = 0, bad_c = 0;
             for (int64_t r = r0; r < r1; r++) {
                 const float *gr = gi + r * C;
-                if (gate) {
-                    float part_ss = 0.0f;
-                    int nn = 0, nb = 0;
-#pragma omp simd reduction(+ : part_ss)
-                    for (int64_t j = 0; j < C; j++) part_ss += gr[j] * gr[j];
-                    /* A NaN or ±Inf entry makes the row's sum non-finite: only such a row (or one whose
-                     * squares overflowed, then summed again in double: guard_sumsq_) is read again to count
-                     * them — per-entry counters in the loop above cost more than the sum (see
-                     * native/simd_avx512.h). */
-                    if (!finitef_(part_ss)) {
-#pragma omp simd reduction(+ : nn, nb)
-                        for (int64_t j = 0; j < C; j++) {
-                            nn += gr[j] != gr[j];
-                            nb += !finitef_(gr[j]);
-                        }
-                    }
-                    gsq[r] = guard_sumsq_(part_ss, gr, C);
-                    nan_c += nn;
-                    bad_c += nb;
-                    row_ok[row_off[i] + r] = nb == 0;
-                }
-                if (raw) { /* no norm of M to take: pass 3 writes M itself, every row gated (KL's path) */
-                    if (gate && row_ok[row_off[i] + r]) row_ok[row_off[i] + r] = ROW_GATED;
+                const float *pr = pi ? pi + r * C : NULL, *ar = ai ? ai + r * C : NULL;
+                if (!raw) widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
+                if (!gate) {
+                    if (!raw)
+                        msq[r] = row_msq_checked_(gr, brow, C, 1.0f, NULL, one_m_mu, mu, nesterov, mop, pr, ar,
+                                                  buf_bf16);
                     continue;
                 }
-                widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
-                msq[r] = row_msq_checked_(gr, brow, C, 1.0f, gate ? row_ok + row_off[i] + r : NULL, one_m_mu,
-                                          mu, nesterov, mop, pi ? pi + r * C : NULL, ai ? ai + r * C : NULL,
-                                          buf_bf16);
+                uint8_t *ok = row_ok + row_off[i] + r;
+                float part_ss = 0.0f;
+                double ms = 0.0;
+                int nn = 0, nb = 0, big = 0;
+                if (raw) { /* no norm of M to take (KL's path): Σ g² alone */
+#pragma omp simd reduction(+ : part_ss)
+                    for (int64_t j = 0; j < C; j++) part_ss += gr[j] * gr[j];
+                } else {
+                    ms = row_msq_dispatch_(gr, brow, C, 1.0f, 0, one_m_mu, mu, nesterov, mop, pr, ar, buf_bf16,
+                                           &big, &part_ss);
+                }
+                /* A NaN or ±Inf entry makes the row's sum non-finite: only such a row (or one whose
+                 * squares overflowed, then summed again in double: guard_sumsq_) is read again to count
+                 * them — per-entry counters in the loop above cost more than the sum (see
+                 * native/simd_avx512.h). */
+                if (!finitef_(part_ss)) {
+#pragma omp simd reduction(+ : nn, nb)
+                    for (int64_t j = 0; j < C; j++) {
+                        nn += gr[j] != gr[j];
+                        nb += !finitef_(gr[j]);
+                    }
+                }
+                gsq[r] = guard_sumsq_(part_ss, gr, C);
+                nan_c += nn;
+                bad_c += nb;
+                *ok = nb == 0;
+                if (raw) { /* pass 3 writes M itself, every row gated */
+                    if (*ok) *ok = ROW_GATED;
+                    continue;
+                }
+                /* a bad entry, or (row_msq_checked_'s case) a square of M that overflowed, which the ungated
+                 * arithmetic cannot tell from a buffer overflow: the row again, gated */
+                if (nb > 0 || big) {
+                    if (nb == 0) *ok = ROW_GATED;
+                    ms = row_msq_dispatch_(gr, brow, C, 1.0f, 1, one_m_mu, mu, nesterov, mop, pr, ar, buf_bf16,
+                                           &big, NULL);
+                }
+                msq[r] = ms;
             }
             cnt[(i * T + tid) * NPRE] = nan_c;
             cnt[(i * T + tid) * NPRE + 1] = bad_c;
