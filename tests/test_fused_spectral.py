@@ -259,6 +259,39 @@ def test_bf16_buffer_entry_that_rounds_to_inf_is_kept(impl):
 
 
 
+def _kl_overflow_run(impl, comps, momentum_dtype, momentum):
+    """KL-Shampoo's path through the pre loop (its input is M itself, no norm of M taken first) with finite
+    gradients that overflow the momentum side, the spike guard off: MONA's A (G - G_prev overflows on the
+    second step) and the buffer's lerp, or a bf16 buffer entry that rounds to Inf (3.40e38; 3.39e38 rounds
+    to bf16's maximum and is stored)."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(0.1 * torch.randn(s)) for s in [(64, 200), (33, 17)]]
+    opt = no.Fusion([{"params": ps, "path": "spectral"}], components=comps, impl=impl, lr=1e-2,
+                    spike_factor=None, ns5_dtype="fp32", momentum=momentum, momentum_dtype=momentum_dtype)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        ps[0].grad[3, 7], ps[0].grad[5, 9] = (3.40e38, 3.39e38) if t == 0 else (-3.3e38, 1e-3)
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("comps, momentum_dtype, momentum", [
+    (("mona", "shampoo", "ns5"), "param", 0.95), (("shampoo", "ns5"), "bf16", 0.0)], ids=["mona-fp32", "bf16"])
+def test_kl_input_whose_momentum_overflows_matches_loop(comps, momentum_dtype, momentum):
+    """The pre loop speculates the ungated arithmetic on an entirely finite row of KL-Shampoo's input and
+    checks the new buffer and MONA's A (row_update_'s check); these rows fail that check and are computed
+    again gated: state as the loop leaves it, finite, and the moment stage's count."""
+    (ref, ref_opt), (got, got_opt) = (_kl_overflow_run(impl, comps, momentum_dtype, momentum)
+                                      for impl in ("loop", "fused"))
+    assert all(torch.isfinite(t).all() for t in got + [v for st in got_opt.state.values() for v in st.values()
+                                                        if isinstance(v, torch.Tensor) and v.is_floating_point()])
+    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert event_tuples(got_opt) == event_tuples(ref_opt)
+    assert got_opt.metrics()["resolution/inf_moment"] > 0
+
+
 def unbounded_loop(monkeypatch, big: float):
     """The loop's NS5 output scaled by ``big``, and its NorMuon / RMS matching told that the direction is
     unbounded (which only a composition without NS5 is, and which the fused paths do not cover): with the
