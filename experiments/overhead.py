@@ -327,7 +327,8 @@ def render(data: dict[str, Any]) -> str:
     def verdict(rows: list[dict[str, Any]]) -> str:
         miss = [label[r["optimizer"]] for r in rows if not ok[r["optimizer"]]]
         met = [label[r["optimizer"]] for r in rows if ok[r["optimizer"]]]
-        return (f"{'met by every one' if not miss else 'met by ' + (', '.join(met) or 'none')}"
+        # every label, also when all are met: a met median's "not resolved" note must not vanish with it
+        return (f"{'met by every one: ' + ', '.join(met) if not miss else 'met by ' + (', '.join(met) or 'none')}"
                 f"{'' if not miss else '; MISSED by ' + ', '.join(miss)}")
 
     ours = [r for r in data["rows"] if r["optimizer"] in defaults]
