@@ -188,8 +188,9 @@ static __attribute__((noinline, cold)) void quad_exact_(
  * later build) measured the vector-at-a-time "off" loop at up to 1.32x its aligned time and the former
  * two-vector gated loop at up to 1.17x, which moved repair/off between 0.88 and 1.07 from one layout to
  * another. With four vectors per step only one boundary in four can stall, and both policies run the same
- * loop shape, so a layout slows both alike (the current section: "off" at most 1.05x aligned, repair/off
- * 1.02-1.05 on every layout). */
+ * loop shape, so a layout slows both alike (the section as published at 86bfde0, AMD: "off" at most 1.05x
+ * aligned, repair/off 1.02-1.05 on every layout; at 54b1018, Intel, with vcheck_'s FMA test: "off" at most
+ * 1.034x aligned, repair/off 0.997-1.024). */
 static inline __attribute__((always_inline)) void vec_quad_(
         const int sf, const int gate, const int decay_z, float *restrict p, const float *restrict g,
         float *restrict m, float *restrict v, float *restrict z, int64_t j, const vhyper_t *k, int64_t *vb,
