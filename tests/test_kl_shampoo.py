@@ -479,7 +479,9 @@ def test_batched_form_is_the_per_matrix_form(step):
     for b in range(B):
         P_b, bypassed_b = kl_shampoo_precondition(loop[b], M[b])
         internal_b = kl_shampoo_update_(loop[b], G[b], ok[b], step, refresh_every=10)
-        torch.testing.assert_close(P[b], P_b, rtol=1e-5, atol=1e-6)
+        # rtol 1e-4: on an Intel Xeon (AVX-512, AMX) the batched products differed by 2.2e-5 relative at
+        # step 2 (one entry of 24; 2026-11-26), within 1e-5 on an AMD EPYC
+        torch.testing.assert_close(P[b], P_b, rtol=1e-4, atol=1e-5)
         assert bool(bypassed[b]) == bool(bypassed_b) and bool(internal[b]) == bool(internal_b)
         for k in STATE_KEYS:
             torch.testing.assert_close(stacked[k][b], loop[b][k], rtol=1e-5, atol=1e-6, equal_nan=True)
