@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void vec_store_(
  * share two ports with the divides and square roots that bound the loop. A scratch driver calling
  * nonans_scalar_step on the default GPT's 52 tensors, the two builds and "off" interleaved in one process
  * (2026-11-26, Intel Xeon with AVX-512, 4 processes x 100 rounds, 2 threads): repair/off SFAdamW
- * 1.026-1.050 → 1.011-1.037, the new build 1.2-1.8% faster in every process; AdamW about 0.5%. */
+ * 1.026-1.050 → 1.011-1.037, the new build 0.9-1.8% faster in every process; AdamW about 0.5%. */
 static inline __attribute__((always_inline)) __m512 vcheck_(const int sf, __m512 vn, __m512 y, __m512 zn,
                                                              __m512 acc) {
     return _mm512_fmadd_ps(vn, y, sf ? zn : acc);
@@ -162,8 +162,9 @@ static __attribute__((noinline, cold)) void quad_exact_(
 }
 
 /* Four full vectors at j … j + 48 of a clean loop, "off" (gate 0) and the gated one alike: every load and
- * then each vector's arithmetic and its stores; the gated loop then tests the four (schedule-free: the sum of
- * their vcheck_ values; AdamW: one vcheck_ chain through the four) and, in a quad that fails, puts the loaded values back and takes quad_exact_.
+ * then each vector's arithmetic and its stores; the gated loop then tests the four (schedule-free: the sum
+ * of their vcheck_ values; AdamW: one vcheck_ chain through the four) and, in a quad that fails, puts the
+ * loaded values back and takes quad_exact_.
  *
  * Why store before the test: the stock values are the exact ones unless the test fails, which a clean step
  * never does, so the stores need not wait for it. When they came after it (until 2026-11-26), each quad's

@@ -27,8 +27,10 @@
 #include "common.h"
 
 enum { NPRE = 3 };   /* per tensor and thread, pre: grad nan, grad non-finite, moment overflow */
-/* row_ok values: 0 the row's gradient had a bad entry, 1 entirely finite, ROW_GATED entirely finite but
- * the row takes the gated arithmetic anyway (a buffer may overflow there). post only asks "nonzero?". */
+/* row_ok values: 0 the row's gradient had a bad entry, 1 entirely finite, ROW_SPEC entirely finite and
+ * KL-Shampoo's input (no earlier pass looked for a buffer overflow: pass 3 speculates and checks,
+ * row_check_), ROW_GATED entirely finite but the row takes the gated arithmetic anyway (a buffer may
+ * overflow there). post only asks "nonzero?". */
 enum { ROW_SPEC = 2, ROW_GATED = 3 };
 
 /* MONA's constants (alpha, 1-beta) and whether this is the tensor's first step (G_prev starts as G). */
