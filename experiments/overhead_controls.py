@@ -1,5 +1,6 @@
 """Controls for ``python -m experiments overhead``: can this machine resolve a 2% overhead at all, and what
-does "repair" cost the AdamW family's defaults, whose cost is the smallest and the hardest to measure?
+does "repair" cost the AdamW family's defaults, whose cost is the smallest and the hardest to measure (and
+the fused spectral defaults but FullFusion's: :data:`CONTROLLED`)?
 
 Until 2026-11-24 the main table paired a "repair" optimizer with an "off" optimizer, each built on its own
 deep copy of the model. Two arms built that way differ in more than the policy: their tensors sit at
@@ -47,7 +48,11 @@ from experiments.step_time import interleaved, run_child
 __all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer", "controls",
            "fresh_controls", "over_builds", "spread", "switched", "render"]
 
-CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)")
+# The AdamW family's defaults, whose cost is the smallest share of their step; and, since 2026-11-26, the
+# fused spectral defaults but FullFusion: on an Intel Xeon their table rows met the target with upper
+# quartiles of 1.047 (SFNorMuon) and 1.127 (Muon), which the table alone does not resolve. FullFusion's
+# step (~250 ms here) would make each of its processes take minutes: its table row stands alone.
+CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)", "SFNorMuon (fused)", "Muon (fused)")
 # independent builds per control (quick runs: 2): a placement is a property of one build, so one build
 # cannot say how much of its ratio is the code and how much where its tensors happen to sit
 BUILDS, QUICK_BUILDS = 4, 2

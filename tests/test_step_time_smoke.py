@@ -49,6 +49,8 @@ def test_step_time_quick(tmp_path):
 
 @pytest.mark.slow
 def test_overhead_quick(tmp_path):
+    from experiments.overhead_controls import CONTROLLED
+
     data = _run("overhead", tmp_path)
     expected = ["AdamW (foreach)", "AdamW (compiled)", "AdamW (fused)", "AdamW (fused, spike_factor=10)",
                 "SFAdamW (foreach)", "SFAdamW (fused)", "SFAdamW (fused, spike_factor=10)", "SFNorMuon (foreach)",
@@ -84,10 +86,12 @@ def test_overhead_quick(tmp_path):
     assert "**Each optimizer as constructed by default**" in section
     # the rows that have a control are judged on it, and say so
     target = section.split("Target (CPU)")[1].split("\n")[0]
-    assert "AdamW (fused) (" in target and re.search(r"SFAdamW \(fused\) \([+-]\d+\.\d%, controls\)", target)
-    # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults,
-    # each row in fresh processes of its own (quick: one process of two builds)
-    assert [c["optimizer"] for c in data["controls"]] == ["AdamW (fused)", "SFAdamW (fused)"]
+    assert all(re.search(re.escape(name) + r" \([+-]\d+\.\d%, controls\)", target) for name in CONTROLLED)
+    # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
+    # and the fused spectral ones but FullFusion, each row in fresh processes of its own (quick: one process
+    # of two builds)
+    assert [c["optimizer"] for c in data["controls"]] == list(CONTROLLED)
+    assert set(CONTROLLED) == {"AdamW (fused)", "SFAdamW (fused)", "SFNorMuon (fused)", "Muon (fused)"}
     assert "controls_first" not in data
     for c in data["controls"]:  # over independent builds: each build's median, then theirs
         assert (c["processes"], c["builds"], len(c["per_process"]), len(c["per_build"])) == (1, 2, 1, 2)
