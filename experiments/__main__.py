@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ns5-method": ("experiments.ns5_method", "standard vs Gram Newton-Schulz on CPU (issue 2)"),
     "simd": ("experiments.simd", "repair overhead of (SF-)AdamW per native SIMD build: portable, AVX2, AVX-512 (issue 3)"),
     "aliasing": ("experiments.aliasing", "native (SF-)AdamW loop time by the arrays' offsets mod 4096: 4K aliasing (issue 3)"),
+    "bf16-cpu": ("experiments.bf16_cpu", "a bf16 model's (SF-)AdamW step on CPU: ours off/repair vs torch (issue 3)"),
     "op-count": ("experiments.op_count", "torch ops per clean step under repair vs off, eager paths (issue 3)"),
     "sync-audit": ("experiments.sync_audit", "host syncs and kernel launches of each optimizer's CUDA step (issue 3)"),
     "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),

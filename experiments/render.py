@@ -47,6 +47,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "simd": ("simd.json", "experiments.simd:render"),
     "simd-avx512": ("simd_avx512.json", "experiments.simd:render"),
     "aliasing": ("aliasing.json", "experiments.aliasing:render"),
+    "bf16-cpu": ("bf16_cpu.json", "experiments.bf16_cpu:render"),
     "spike-guards": ("spike_guards.json", "experiments.spike_guards:render"),
     "kernels": ("kernels.json", "experiments.kernels:render"),
     "kernel-static": ("kernel_static.json", "experiments.kernel_static:render"),

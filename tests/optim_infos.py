@@ -100,11 +100,12 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def train_steps(model, opt, n: int, *, seed: int = 0, inject=None):
-    """n steps on fresh batches; ``inject(step, model)`` may corrupt gradients after backward."""
+def train_steps(model, opt, n: int, *, seed: int = 0, inject=None, dtype=torch.float32):
+    """n steps on fresh batches (images in ``dtype``); ``inject(step, model)`` may corrupt gradients after
+    backward."""
     loss = None
     for i in range(n):
-        batch = make_batch(seed * 1000 + i)
+        batch = make_batch(seed * 1000 + i, dtype=dtype)
         opt.zero_grad()
         loss = loss_fn(model, batch)
         loss.backward()

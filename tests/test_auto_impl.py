@@ -5,7 +5,7 @@ with, since a default must not bring either.
 Each case trains TinyNet (every routing case) on a fault sequence — a NaN, an Inf, a finite gradient
 spike that triggers the guard — and requires *identical* parameters, state and resolution counters to
 the implementation that auto claims to be: "fused" with the native library, "foreach" without it
-(``NONANS_NATIVE=0``, no C compiler) or for bf16 parameters on CPU.
+(``NONANS_NATIVE=0``, no C compiler) or for tensors the native loops do not take (fp64 on CPU).
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def _run(info, impl: str | None, *, dtype=torch.float32):
     kw = {"impl": "auto" if impl is None else impl, "spike_factor": 10.0}
     opt = info.make(no.param_groups(model) if info.cls not in (no.AdamW, no.SFAdamW) else model.parameters(),
                     **kw)
-    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         warnings.simplefilter("error")  # auto must fall back silently; "fused" may not warn either here
-        train_steps(model, opt, STEPS, inject=_inject)
+        train_steps(model, opt, STEPS, inject=_inject, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
     return model, opt
 
 
@@ -97,8 +97,16 @@ def test_auto_follows_nonans_fused_backend(info, monkeypatch):
 
 @pytest.mark.parametrize("info", [i for i in BASE if i.name in ("AdamW", "SFNorMuon")], ids=["AdamW", "SFNorMuon"])
 def test_auto_is_foreach_for_groups_the_native_loops_do_not_cover(info):
-    """bf16 parameters on CPU: impl="fused" would compile (inductor); auto runs foreach, silently."""
-    _assert_identical(_run(info, "foreach", dtype=torch.bfloat16), _run(info, None, dtype=torch.bfloat16))
+    """fp64 parameters on CPU: impl="fused" would compile (inductor); auto runs foreach, silently."""
+    _assert_identical(_run(info, "foreach", dtype=torch.float64), _run(info, None, dtype=torch.float64))
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
+@pytest.mark.parametrize("info", [i for i in BASE if i.name in ("AdamW", "SFAdamW")], ids=["AdamW", "SFAdamW"])
+def test_auto_runs_a_bf16_model_in_the_native_loop(info):
+    """A whole-bf16 model on CPU ran the eager foreach step, 17x torch's fused AdamW on the default GPT (an
+    audit, 2026-11-26): the (SF-)AdamW loop now takes bf16 groups, and auto is "fused" there."""
+    _assert_identical(_run(info, "fused", dtype=torch.bfloat16), _run(info, None, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
@@ -155,10 +163,11 @@ def _spy(monkeypatch, module, name: str) -> list:
 @pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_auto_runs_the_covered_tensors_of_a_mixed_group_natively(cls, monkeypatch):
-    """One tensor the native loop cannot take (bf16, channels_last) sent the whole group to foreach —
-    14-21x torch's fused AdamW on a GPT-sized model (an audit, 2026-11-26). The covered tensors now run in
-    the loop and the rest foreach: the same values, events and counters as with the odd tensors in a group
-    of their own, faults in both parts recorded."""
+    """One tensor the native loop cannot take (channels_last; until the loop took bf16, a bf16 one too)
+    sent the whole group to foreach — 14-21x torch's fused AdamW on a GPT-sized model (an audit,
+    2026-11-26). The covered tensors now run in the loop, one call per dtype, and the rest foreach: the
+    same values, events and counters as with the odd tensors in a group of their own, faults in every part
+    recorded."""
     from nonans_optim.optimizers import _scalar
 
     calls = _spy(monkeypatch, _scalar, "native_scalar_update")
@@ -182,7 +191,7 @@ def test_auto_runs_the_covered_tensors_of_a_mixed_group_natively(cls, monkeypatc
         return fp32 + odd, opt
 
     (a, oa), (b, ob) = run(False), run(True)
-    assert (3, True) in calls[:4]  # the mixed group's fp32 tensors went to the loop
+    assert calls[:3] == [(5, False), (3, True), (1, True)]  # the whole group refused, then fp32 and bf16 parts
     for p, q in zip(a, b):
         assert torch.equal(p, q)
     assert [(e.step, e.stage, e.nan_count, e.inf_count) for e in oa.events] == \

@@ -125,13 +125,14 @@ def test_tensors_at_different_steps_in_one_call(cls):
 
 
 def test_unsupported_tensors_run_compiled(monkeypatch):
-    """bf16 parameters and a non-contiguous gradient are not what the C loop indexes: those groups run
-    impl="compiled" (silently, with the same results), never a pointer into the wrong layout."""
+    """fp64 parameters and a non-contiguous gradient are not what the C loop indexes (it takes fp32 and bf16):
+    those groups run impl="compiled" (silently, with the same results), never a pointer into the wrong
+    layout."""
     calls = []
     real = _fused.compiled_scalar_update
     monkeypatch.setattr(_fused, "compiled_scalar_update", lambda *a, **k: calls.append(1) or real(*a, **k))
     contiguous, transposed = (lambda p: torch.randn(p.shape)), (lambda p: torch.randn(p.shape[::-1]).t())
-    for make, dtype in ((contiguous, torch.bfloat16), (transposed, torch.float32)):
+    for make, dtype in ((contiguous, torch.float64), (transposed, torch.float32)):
         torch.manual_seed(0)
         params = [torch.randn(6, 4, dtype=dtype, requires_grad=True) for _ in range(2)]
         twins = [p.detach().clone().requires_grad_() for p in params]

@@ -290,3 +290,19 @@ def test_interleaved_settles_switched_arms_before_each_sample(monkeypatch):
     log.clear()
     interleaved(plain, rounds=2, warmup=1, inner=2, device=torch.device("cpu"))
     assert log == ["a"] * 5
+
+
+@pytest.mark.slow
+def test_bf16_cpu_quick(tmp_path):
+    from experiments.bf16_cpu import OURS, render
+
+    data = _run("bf16-cpu", tmp_path)
+    assert data["command"] == "python -m experiments bf16-cpu --quick"
+    arms = {f"{n} (auto, {p})" for n in OURS for p in ("off", "repair")}
+    assert arms | {"AdamW (foreach, repair): the default before", "torch AdamW (fused)"} <= set(data["steps"])
+    for r in data["steps"].values():
+        assert _finite_positive(r["ms"]) and r["low"] <= r["vs_torch_fused"] <= r["high"]
+    assert data["steps"]["torch AdamW (fused)"]["vs_torch_fused"] == 1.0
+    for r in data["paired"].values():
+        assert _finite_positive(r["repair"]["median"]) and _finite_positive(r["aa"]["median"])
+    assert "Against the CPU target" in render(data)

@@ -1,4 +1,5 @@
 """The native CPU kernels behind ``impl="fused"``: built from ``scalar_step.c`` (the (SF-)AdamW step),
+``record_step.c`` (the resolution counters' fold),
 ``spectral_pre.c`` and ``spectral_post.c`` (the elementwise work before and after NS5) with the system C
 compiler on first use, cached, and loaded with ctypes.
 
@@ -51,7 +52,8 @@ __all__ = ["library", "failure", "record_step", "record_pack", "Int64Array", "SO
 
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_avx2.h",
-           _DIR / "scalar_step.c", _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
+           _DIR / "scalar_bf16.h", _DIR / "scalar_step.c", _DIR / "record_step.c", _DIR / "spectral_pre.c",
+           _DIR / "spectral_post.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 # Tried in order: the first that compiles wins.
 # Without OpenMP, -fopenmp-simd still honours the loops' `#pragma omp simd reduction` (compile-time only, no
@@ -130,7 +132,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr = pp = ctypes.c_void_p
     i32, i64, f32, f64 = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
     f.argtypes = [i64, pp, pp, pp, pp, pp, pp, ptr, ptr, f64, f64, ptr, i32, i32, i32, f32, f32, f32,
-                  ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, ptr, f32, f32, i64]
+                  ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, ptr, f32, f32, i64, i32]
     f.restype = ctypes.c_int
     pre, post = lib.nonans_spectral_pre, lib.nonans_spectral_post
     pre.argtypes = [i64, pp, pp, i32, pp, i32, ptr, ptr, pp, ptr, i32, pp, pp, ptr, i32, i32, f32, f32, f32,

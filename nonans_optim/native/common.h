@@ -37,6 +37,40 @@ static inline float spike_(double norm, int complete, float ema, float factor, f
     return t ? (float)fmax((double)cap / norm, 0x1p-149) : 1.0f;
 }
 
+/* bf16 ↔ fp32 as torch converts them (c10/util/BFloat16.h): round to nearest even, any NaN → 0x7FC0. */
+static inline float bf16_to_f32_(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16_(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Entry j of an array stored as fp32 (bf = 0) or bf16 (bf = 1), as fp32; bf is a compile-time constant at
+ * every call, so the other branch is gone and the loop around it vectorises as a plain fp32 (or widening)
+ * loop. */
+static inline float ld_(const void *a, int64_t j, const int bf) {
+    return bf ? bf16_to_f32_(((const uint16_t *)a)[j]) : ((const float *)a)[j];
+}
+
+/* x stored at entry j, rounded once (bf16: to nearest even, as torch's .to(torch.bfloat16)). */
+static inline void st_(void *a, int64_t j, float x, const int bf) {
+    if (bf) ((uint16_t *)a)[j] = f32_to_bf16_(x);
+    else ((float *)a)[j] = x;
+}
+
+/* Finite *as stored*: for bf16, below the magnitude that rounds to Inf ((2 - 2^-8)·2^127: bf16's largest
+ * finite value plus half an ulp, a tie that rounds to the even Inf), as nonans_optim.detection.storable_mask
+ * compares in fp32; a finite fp32 value above it would be written as Inf. */
+static inline int storable_(float x, const int bf) { return fabsf(x) < (bf ? 0x1.FFp127f : INFINITY); }
+
 /* The sum of squares of the finite entries of x[0, n), which the spike guard adds up, given their fp32 sum
  * part over all entries: part itself when finite and at least 2^-100 (every entry finite, no square
  * overflowed, and the squares that matter are normal fp32 numbers); otherwise Σ x² over the finite entries
@@ -50,18 +84,20 @@ static inline float spike_(double norm, int complete, float ema, float factor, f
  *    audit, 2026-11-26). An all-zero gradient is told apart by a scan that stops at its first non-zero
  *    entry, and stays 0.
  * Rare, so scalar and in a fixed order (the same in every build). */
-static inline double guard_sumsq_(float part, const float *x, int64_t n) {
+static inline double guard_sumsq_t_(float part, const void *x, int64_t n, const int bf) {
     if (fabsf(part) < INFINITY && part >= 0x1p-100f) return part;
     if (part == 0.0f) {
         int64_t j = 0;
-        while (j < n && x[j] == 0.0f) j++;
+        while (j < n && ld_(x, j, bf) == 0.0f) j++;
         if (j == n) return 0.0;
     }
     double acc = 0.0;
     for (int64_t j = 0; j < n; j++)
-        if (finitef_(x[j])) acc += (double)x[j] * (double)x[j];
+        if (finitef_(ld_(x, j, bf))) acc += (double)ld_(x, j, bf) * (double)ld_(x, j, bf);
     return acc;
 }
+
+static inline double guard_sumsq_(float part, const float *x, int64_t n) { return guard_sumsq_t_(part, x, n, 0); }
 
 /* Resolution.recent() for the parameter at global index j: an event within the repeat window, the hold
  * rule's precondition (one place for both kernels; the torch method is the ground truth). The loss stage
@@ -87,22 +123,6 @@ static inline int thread_count_(void) {
 #else
     return 1;
 #endif
-}
-
-/* bf16 ↔ fp32 as torch converts them (c10/util/BFloat16.h): round to nearest even, any NaN → 0x7FC0. */
-static inline float bf16_to_f32_(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16_(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (f != f) return 0x7FC0;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 #endif

@@ -74,23 +74,6 @@ static inline __attribute__((always_inline)) __m256i y8abs_(__m256 x, __m256i ab
     return _mm256_and_si256(_mm256_castps_si256(x), absmask);
 }
 
-/* The early test's bound on the inputs alone, in double, once per block: |g|, |p| and |z| (AdamW: |m|) at
- * most L = min(clean_limit_, G) and the old v in [+0, FLT_MAX / 4]; 0 where clean_limit_ has no bound. With
- * G = sqrt(FLT_MAX / 4 / (1 - β₂)) / max(1, |s|), the new v = v·β₂ + ((1-β₂)·g·s)·g·s stays within
- * FLT_MAX / 2 (the factor 2 over the bound covers the roundings), so it is finite and not negative, which is
- * what clean_limit_'s derivation assumes of it. Unlike scalar_avx512.h's test (of the new values), it needs
- * nothing the step computes, so a group of entries is tested before its arithmetic starts and nothing
- * speculative has to stay in registers while it is: AVX2 has 16 vector registers, and holding two vectors'
- * results for a test made the gated loop spill (a scratch C driver calling nonans_scalar_step, 1M entries,
- * one thread, 30 alternations: that pair form ran 1.19x "off" for AdamW and 1.47x for SFAdamW; this form
- * 1.07x and 1.23x). */
-static inline float input_limit_(const int sf, const int decay_z, float s, float lr, float wdf, float lrc,
-                                 float bc1, float bc2, const hyper_t h) {
-    const float lim = clean_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h);
-    const double G = sqrt((double)FLT_MAX / 4.0 / (double)h.one_m_b2) / fmax(1.0, fabs((double)s));
-    return lim > 0.0f && h.one_m_b2 > 0.0f ? (float)fmin((double)lim, G) : 0.0f;
-}
-
 /* The exact path for [j0, j1): the portable gated loop (update_block), which reads what nothing has written
  * yet and adds what it counts to c. */
 #define Y8_EXACT_(j0, j1) update_block(sf, 1, 0, decay_z, p, g, m, v, z, j0, j1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c)

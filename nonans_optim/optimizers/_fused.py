@@ -14,10 +14,14 @@ call also folds them into the Resolution counters (``Resolution.record_step``'s 
 and to about 3 us once the counters' pointers were cached per index list (``Resolution.native_args``;
 52 tiny tensors, where "off" takes 183 us and torch's fused AdamW 243 us).
 
-Scope: contiguous fp32 CPU tensors (parameter, gradient, state, and an fp32 ``state['step']``). CUDA groups
-go to the multi-tensor Triton kernels instead (:mod:`._fused_triton`, ``NONANS_FUSED_BACKEND``). Any other
-group — bf16 on CPU, channels_last, a strided gradient — runs ``impl="compiled"`` with identical semantics,
-and so does everything when the kernel cannot be built (one warning). No host synchronisation: on CPU the
+Scope: contiguous CPU tensors (parameter, gradient, state, and an fp32 ``state['step']``), all fp32 or all
+bf16 in one call. bf16 runs the fp32 arithmetic on widened entries and rounds each result once as it is
+stored (torch's fused AdamW does the same; so did ``impl="compiled"``, which bf16 groups ran until
+2026-11-26, at 4.4x the "off" step and 17x torch's fused AdamW on the default GPT — the C file's header has
+the rest). CUDA groups go to the multi-tensor Triton kernels instead (:mod:`._fused_triton`,
+``NONANS_FUSED_BACKEND``). Any other group — fp16 or fp64, channels_last, a strided gradient, fp32 and bf16
+tensors mixed — runs ``impl="compiled"`` with identical semantics, and so does everything when the kernel
+cannot be built (one warning). No host synchronisation: on CPU the
 tensors already live in host memory, and the kernel reads nothing the step has not already computed.
 """
 from __future__ import annotations
@@ -36,9 +40,11 @@ from ._compiled import compiled_scalar_update
 from ._fused_triton import backend, triton_scalar_update
 
 __all__ = ["fused_scalar_update", "native_scalar_update", "auto_choice", "Int64Array", "pointers",
-           "resolution_pointers", "run_covered"]
+           "resolution_pointers", "run_covered", "NATIVE_SCALAR_DTYPES"]
 
 _POLICY = {"off": 0, "repair": 1, "skip": 2}
+# The tensor dtypes the native (SF-)AdamW loop steps (every tensor of one call has the same one).
+NATIVE_SCALAR_DTYPES = (torch.float32, torch.bfloat16)
 _WARNED: list[bool] = []
 
 
@@ -52,14 +58,15 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) ->
     return Int64Array(ptrs)
 
 
-def run_covered(covered: list[bool], lists: tuple[list, ...], step) -> tuple[list, ...]:
+def run_covered(covered: list[bool], lists: tuple[list, ...], step, *, whole: bool = True) -> tuple[list, ...]:
     """impl="auto" on a group the native loops refused as a whole: ``step(*lists)`` (a native update taking
     (params, grads, states, indices), True when it ran) on the entries ``covered`` marks, and the lists of
-    the others returned for the foreach path — ``lists`` unchanged when none or all are covered (then the
-    refusal was the group's own: no library, its components, its device) or ``step`` refused. Each
+    the others returned for the foreach path — ``lists`` unchanged when none are covered, when all are and
+    ``lists`` is the ``whole`` group (then the refusal was the group's own: no library, its components, its
+    device), or when ``step`` refused. Each
     tensor's step is its own, so running a group in two parts changes no value beyond the rounding that
     separates the two paths (``_scalar._native_part``, ``_fused_spectral.native_part``)."""
-    if not any(covered) or all(covered):
+    if not any(covered) or (whole and all(covered)):
         return lists
     mine, rest = ([[x for x, c in zip(xs, covered) if c == want] for xs in lists] for want in (True, False))
     return tuple(rest) if step(*mine) else lists
@@ -140,7 +147,8 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
                          indices: list[int], group: dict[str, Any], ctx: dict[str, Any], *, sf: bool,
                          gamma: torch.Tensor, c: float) -> bool:
     """The step in the native CPU loop; False (nothing changed) when it does not cover the group (a CUDA
-    or non-fp32 tensor, a strided one, no C compiler): the caller picks the fallback."""
+    tensor, one neither fp32 nor bf16 or not of the first parameter's dtype, a strided one, no C compiler):
+    the caller picks the fallback."""
     lib = native.library() if params[0].is_cpu else None
     if lib is None or not gamma.is_cpu:
         return False
@@ -154,7 +162,10 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     sizes = [p.numel() for p in params]
     check_sizes(sizes, "z" if sf else "exp_avg", seconds)
     check_sizes(sizes, "exp_avg_sq", vs)
-    ptrs = [pointers(x) for x in (params, grads, seconds, vs, steps)]
+    dtype = params[0].dtype
+    if dtype not in NATIVE_SCALAR_DTYPES:
+        return False
+    ptrs = [pointers(x, dtype) for x in (params, grads, seconds, vs)] + [pointers(steps)]
     if any(x is None for x in ptrs):
         return False
     p_ptr, g_ptr, second, v_ptr, step_ptr = ptrs
@@ -172,7 +183,8 @@ def native_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
         numel, gamma.data_ptr(), beta1, beta2, ctypes.addressof(hp), _POLICY[policy],
         int(sf), int(sf and group["weight_decay"] != 0), r["factor"], SPIKE_BETA, 1 - SPIKE_BETA, r["ema"],
         r["sel"], r["scale"], r["streak"], r["events"], r["window"], r["dense"], torch.get_num_threads(),
-        rec, res.backoff if rec is not None else 0.0, res.min_scale if rec is not None else 0.0, ctx["step"])
+        rec, res.backoff if rec is not None else 0.0, res.min_scale if rec is not None else 0.0, ctx["step"],
+        int(dtype is torch.bfloat16))
     if rc != 0:
         raise MemoryError("impl='fused': the native kernel could not allocate its scratch memory")
     mark_written(params, seconds, vs, steps, r["written"])

@@ -24,7 +24,7 @@ from ..functional.schedule_free import sf_update_
 from ._common import (commit_update, eager_guard, keep_flags, record_inf, record_tally, restore_if_bad,
                       take_snapshot)
 from ._compiled import compiled_scalar_update
-from ._fused import fused_scalar_update, native_scalar_update, pointers, run_covered
+from ._fused import NATIVE_SCALAR_DTYPES, fused_scalar_update, native_scalar_update, pointers, run_covered
 from ._fused_triton import backend, triton_scalar_update
 
 __all__ = ["scalar_init_state", "scalar_update", "foreach_spans", "FOREACH_SPAN"]
@@ -43,13 +43,14 @@ def scalar_init_state(p: torch.Tensor, *, sf: bool) -> dict[str, torch.Tensor]:
 def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], indices: list[int],
                  group: dict[str, Any], ctx: dict[str, Any], *, sf: bool, gamma: torch.Tensor, c: float) -> tuple:
     """Step the tensors of a group the native loop covers (parameter, gradient and moments as
-    :func:`._fused.pointers` takes them: contiguous fp32 CPU) there, and return the others for the foreach
-    path (:func:`._fused.run_covered`). One bf16 or channels_last tensor sent the whole group to foreach,
-    14-21x torch's fused AdamW on a GPT-sized model where the loop is under 1x (an audit, 2026-11-26). The
-    counts of both parts go to the step's record, not the loop's own (``record_in_kernel`` off for this
-    call: the foreach part produces counts too)."""
+    :func:`._fused.pointers` takes them: contiguous CPU, fp32 or bf16) there — one call per dtype — and
+    return the others for the foreach path (:func:`._fused.run_covered`). One channels_last tensor (or,
+    before the loop took bf16, one bf16 tensor) sent the whole group to foreach, 14-21x torch's fused AdamW
+    on a GPT-sized model where the loop is under 1x (an audit, 2026-11-26). The counts of every part go to
+    the step's record, not the loop's own (``record_in_kernel`` off for these calls: the foreach part, or
+    the other dtype's call, produces counts too)."""
     key = "z" if sf else "exp_avg"
-    covered = [pointers([p, g, st[key], st["exp_avg_sq"]]) is not None for p, g, st in zip(params, grads, states)]
+    lists = (params, grads, states, indices)
 
     def step(*part) -> bool:
         saved, ctx["record_in_kernel"] = ctx["record_in_kernel"], False
@@ -58,7 +59,11 @@ def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: 
         finally:
             ctx["record_in_kernel"] = saved
 
-    return run_covered(covered, (params, grads, states, indices), step)
+    for dtype in NATIVE_SCALAR_DTYPES:
+        covered = [pointers([p, g, st[key], st["exp_avg_sq"]], dtype) is not None
+                   for p, g, st in zip(*lists[:3])]
+        lists = run_covered(covered, lists, step, whole=lists[0] is params)
+    return lists
 
 
 def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
@@ -66,7 +71,7 @@ def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states:
                   gamma: torch.Tensor, c: float, impl: str) -> None:
     """One step of (SF-)AdamW for ``params``; ``gamma`` is the 0-d step size (lr · warmup · Polyak).
 
-    ``impl="auto"``: the native loop where it covers the group (contiguous fp32 CPU tensors and a C
+    ``impl="auto"``: the native loop where it covers the group (contiguous fp32 or bf16 CPU tensors and a C
     compiler), the multi-tensor Triton kernels for a CUDA group (see :func:`._fused.auto_choice`) — or the
     one ``NONANS_FUSED_BACKEND`` names, as on the spectral path (this path ignored it, and a bad value, until
     2026-11-26) —, else "foreach": never torch.compile, which a default must not bring."""

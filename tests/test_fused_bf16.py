@@ -1,0 +1,149 @@
+"""impl="fused" on bf16 tensors: the native (SF-)AdamW loop widens each entry to fp32, runs the fp32 step
+and rounds each result once as it stores it (nonans_optim/native/scalar_step.c, scalar_bf16.h).
+
+The oracle is that description. Step by step through tests/test_fused.py's fault sequence (NaN, ±Inf, a
+moment overflowing, the hold rule, a spike), an fp32 twin of the bf16 optimizer — its parameters, state
+and resolution counters loaded from the bf16 one before every step — takes the same gradient widened; the
+bf16 step must write the twin's results rounded to bf16, bit for bit, and record the same events. Where
+bf16 and fp32 part ways — a value finite in fp32 that is Inf once stored in bf16 — impl="loop" in bf16 is
+the ground truth: the entry is a missing observation, or its parameter is kept, and counted so.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import nonans_optim as no
+from nonans_optim import native
+from optim_infos import assert_resolution_matches, event_tuples
+from test_fused import SHAPES, STEPS, _grads
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel unavailable: {native.failure()}")
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def _twin(cls, opt, params, kw):
+    """An fp32 optimizer holding ``opt``'s parameters, state and counters, widened (exact)."""
+    twins = [p.detach().float().requires_grad_() for p in params]
+    twin = cls(twins, **kw)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # a state dict holds references: never share
+    return twins, twin
+
+
+def _assert_rounded(got, got_opt, ref, ref_opt):
+    """bf16 tensors equal to the fp32 ones rounded (NaN where NaN: "off" lets the faults through)."""
+    for p, q in zip(got, ref):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p, q.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+        for key, val in got_opt.state[p].items():
+            want = ref_opt.state[q][key]
+            if not torch.is_tensor(val):  # the optimizer-wide resolution record: assert_resolution_matches
+                continue
+            want = want if key == "step" else want.to(torch.bfloat16)
+            torch.testing.assert_close(val, want, rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("factor", [10.0, None], ids=["guard", "default"])
+@pytest.mark.parametrize("policy", ["repair", "skip", "off"])
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_bf16_step_is_the_fp32_step_rounded(cls, policy, factor):
+    torch.manual_seed(0)
+    params = [torch.randn(s).bfloat16().requires_grad_() for s in SHAPES]
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "spike_factor": factor, "resolution": policy, "impl": "fused"}
+    opt = cls(params, **kw)
+    gen = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # 21000 entries: two chunks, one per thread
+    try:
+        for t in range(STEPS):
+            grads = [g.bfloat16() for g in _grads(t, gen)]
+            twins, twin = _twin(cls, opt, params, kw) if opt.state else (None, None)
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            if twin is None:  # the first step creates the state: compare from the second on
+                continue
+            for q, g in zip(twins, grads):
+                q.grad = g.float()
+            twin.step()
+            _assert_rounded(params, opt, twins, twin)
+            if policy != "off":
+                assert_resolution_matches(twin, opt, ema_rtol=0)
+    finally:
+        torch.set_num_threads(before)
+    if policy == "off":
+        assert not all(torch.isfinite(p).all() for p in params)
+        return
+    assert all(torch.isfinite(p).all() for p in params)
+    stages = {e[2] for e in event_tuples(opt)}
+    assert ({"grad", "moment"} if factor is None else {"grad", "spike"}) <= stages, stages
+
+
+def _window_run(cls, impl: str, dtype=torch.bfloat16):
+    """Two steps on 64 entries with lr = 1e36 (every entry moves by about 1e36), after which entry 0 and
+    entry 1 hold values that fp32 stores and bf16 cannot: entry 0 starts at bf16's largest value and its
+    update (AdamW: p; schedule-free: z, and y) lands in (2 - 2^-8)·2^127 … FLT_MAX; entry 1's new v does
+    (an old v of 2.3e36, then g = 5.81e20, whose (1-β₂)·g² is 3.376e38)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64).to(dtype))
+    opt = cls([p], lr=1e36, weight_decay=0.0, impl=impl)
+    p.grad = torch.full((64,), -1.0, dtype=dtype)
+    opt.step()
+    with torch.no_grad():
+        p[0] = BF16_MAX
+        st = opt.state[p]
+        if cls is no.SFAdamW:
+            st["z"][0] = BF16_MAX
+        st["exp_avg_sq"][1] = 2.3e36
+    g = torch.full((64,), -1.0, dtype=dtype)
+    g[1] = torch.tensor(5.81e20).bfloat16().float()
+    p.grad = g
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_values_that_are_inf_in_bf16_follow_the_loop(cls):
+    ref, ref_opt = _window_run(cls, "loop")
+    got, got_opt = _window_run(cls, "fused")
+    assert_resolution_matches(ref_opt, got_opt)
+    stages = {e[2] for e in event_tuples(got_opt)}
+    assert {"moment", "update"} <= stages, stages  # both windows were reached
+    wide, wide_opt = _window_run(cls, "fused", torch.float32)
+    assert not wide_opt.events  # in fp32 the same values are finite: nothing to resolve
+    # the kept entries are the old values, exactly; the rest moved as the loop moved them (the loop rounds
+    # every op to bf16, the fused step once per stored value)
+    assert torch.isfinite(got).all()
+    pairs = [(got_opt.state[got][k], ref_opt.state[ref][k]) for k in ref_opt.state[ref]]
+    for a, b in [(got, ref), *((a, b) for a, b in pairs if torch.is_tensor(a))]:
+        if a.dim() == 0:
+            assert torch.equal(a, b)
+            continue
+        assert torch.equal(a[:2], b[:2])
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_bf16_repair_equals_off_on_clean_steps(cls):
+    """Under "repair" a clean bf16 step takes the tested path (scalar_bf16.h): the same bits as "off"."""
+    runs = []
+    for policy in ("off", "repair"):
+        torch.manual_seed(0)
+        params = [torch.randn(s).bfloat16().requires_grad_() for s in [*SHAPES, (33,)]]
+        opt = cls(params, lr=1e-2, weight_decay=0.1, resolution=policy)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        runs.append((params, opt))
+    (a, oa), (b, ob) = runs
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for key, val in oa.state[p].items():
+            if torch.is_tensor(val):
+                assert torch.equal(val, ob.state[q][key]), key
+    assert not ob.events
