@@ -49,6 +49,15 @@ def _model(quick: bool, grads_seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def _params(base: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """A copy of ``base``'s parameters with copies of their gradients (``copy.deepcopy`` leaves ``.grad``
+    behind: an optimizer on a plain deep copy steps nothing)."""
+    model = copy.deepcopy(base)
+    for p, q in zip(model.parameters(), base.parameters()):
+        p.grad = q.grad.clone()
+    return list(model.parameters())
+
+
 def _inner(step, sample_ms: float) -> int:
     """Steps per timed sample: enough for about ``sample_ms``, from one untimed and one timed call."""
     step()
@@ -58,26 +67,32 @@ def _inner(step, sample_ms: float) -> int:
 
 
 def _measure(args) -> dict[str, Any]:
-    """One process: the paired repair/off and A/A of each of ours, then every arm's step time."""
+    """One process: the paired repair/off and A/A of each of ours, then every arm's step time; ``moved``:
+    the share of each optimizer's entries that its steps changed (a step that steps nothing changes none;
+    a bf16 entry near 1 keeps its value under a step below half its ulp, so not all do)."""
     torch.set_num_threads(args.threads)
     base = _model(args.quick)
-    paired, steps = {}, {}
+    paired, steps, owned = {}, {}, {}
     for name, cls in OURS.items():
-        opt = cls(copy.deepcopy(base).parameters(), lr=LR)  # the default impl ("auto"), the default policy
+        owned[name] = _params(base)
+        opt = cls(owned[name], lr=LR)  # the default impl ("auto"), the default policy
         arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair"), "aa": switched(opt, "off")}
         inner = _inner(arms["off"], args.sample_ms)
         t = interleaved(arms, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
         paired[name] = {"repair": spread(t["repair"], t["off"]), "aa": spread(t["aa"], t["off"])}
         steps[f"{name} (auto, off)"] = arms["off"]
         steps[f"{name} (auto, repair)"] = arms["repair"]
-    before = no.AdamW(copy.deepcopy(base).parameters(), lr=LR, impl="foreach")
-    steps["AdamW (foreach, repair): the default before"] = before.step
-    steps["torch AdamW (foreach)"] = torch.optim.AdamW(copy.deepcopy(base).parameters(), lr=LR, foreach=True).step
-    steps["torch AdamW (fused)"] = torch.optim.AdamW(copy.deepcopy(base).parameters(), lr=LR, fused=True).step
+    for name, make in (("AdamW (foreach, repair): the default before", lambda ps: no.AdamW(ps, lr=LR, impl="foreach")),
+                       ("torch AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=True)),
+                       ("torch AdamW (fused)", lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True))):
+        owned[name] = _params(base)
+        steps[name] = make(owned[name]).step
     inner = _inner(steps["torch AdamW (fused)"], args.sample_ms)
     t = interleaved(steps, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
     ref = statistics.median(t["torch AdamW (fused)"])
-    return {"paired": paired, "inner": inner,
+    moved = {k: sum(int((p != q).sum()) for p, q in zip(ps, base.parameters())) / sum(q.numel() for q in ps)
+             for k, ps in owned.items()}
+    return {"paired": paired, "inner": inner, "moved": moved,
             "steps": {k: {"ms": 1e3 * statistics.median(v), "vs_torch_fused": statistics.median(v) / ref}
                       for k, v in t.items()}}
 
@@ -93,10 +108,13 @@ def run(args) -> dict[str, Any]:
         steps[arm] = {"ms": statistics.median(ms), "vs_torch_fused": statistics.median(ratio),
                       "low": min(ratio), "high": max(ratio)}
     model = _model(args.quick)
+    moved = {k: min(r["moved"][k] for r in runs) for k in runs[0]["moved"]}
+    if min(moved.values()) < 0.5:
+        raise RuntimeError(f"an optimizer's steps changed under half of its entries (did they step?): {moved}")
     return {"command": "python -m experiments bf16-cpu" + (" --quick" if args.quick else ""),
             "machine": machine_info(), "threads": args.threads, "rounds": args.rounds,
             "processes": args.processes, "parameters": count_params(model),
-            "tensors": len(list(model.parameters())), "paired": paired, "steps": steps}
+            "tensors": len(list(model.parameters())), "paired": paired, "steps": steps, "moved": moved}
 
 
 def render(data: dict[str, Any]) -> str:
