@@ -30,10 +30,12 @@ SHAPES = [(300, 70), (5,), (4, 3)]  # 21000 entries = 2 chunks: one per thread; 
 STEPS = 7
 
 
-def _grads(step: int, gen):
-    gs = [torch.randn(s, generator=gen) for s in SHAPES]
+def _grads(step: int, gen, shapes=SHAPES):
+    """The fault sequence's gradients on ``shapes`` (the first a matrix of at least 11 x 6)."""
+    gs = [torch.randn(s, generator=gen) for s in shapes]
+    rows, cols = shapes[0]
     if step == 1:
-        gs[0][0, 0], gs[0][150, 2], gs[0][299, 69] = float("nan"), float("inf"), float("-inf")
+        gs[0][0, 0], gs[0][rows // 2, 2], gs[0][rows - 1, cols - 1] = float("nan"), float("inf"), float("-inf")
     if step in (2, 3):
         gs[1][:] = float("nan") if step == 2 else float("-inf")  # whole tensor, twice: hold on step 3
         # finite, but -3.3e38 then +3.3e38: g - m inside m's lerp overflows on step 3 (the "moment" stage)
@@ -47,11 +49,13 @@ def _grads(step: int, gen):
     return gs
 
 
-def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", clean: bool = False, **kw):
+def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", clean: bool = False, shapes=SHAPES,
+         **kw):
     """STEPS steps of the fault sequence (``clean``: the same random gradients without the faults) on
-    parameters on ``device`` (tests/test_kernels_scalar_step.py runs the Triton path through it)."""
+    parameters of ``shapes`` on ``device`` (tests/test_kernels_scalar_step.py runs the Triton path through it,
+    on smaller shapes under the interpreter)."""
     torch.manual_seed(0)
-    params = [torch.randn(s, device=device, requires_grad=True) for s in SHAPES]
+    params = [torch.randn(s, device=device, requires_grad=True) for s in shapes]
     # the spike guard is opt-in on AdamW/SFAdamW: on here unless a case says otherwise, so the fault
     # sequence's finite spike (step 5) exercises the pre-pass
     opt = cls(params, resolution=policy, impl=impl, **{"lr": 1e-2, "weight_decay": 0.1, "spike_factor": 10.0, **kw})
@@ -60,7 +64,7 @@ def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", cle
     torch.set_num_threads(threads)
     try:
         for t in range(STEPS):
-            grads = [torch.randn(s, generator=gen) for s in SHAPES] if clean else _grads(t, gen)
+            grads = [torch.randn(s, generator=gen) for s in shapes] if clean else _grads(t, gen, shapes)
             for p, g in zip(params, grads):
                 p.grad = g.to(device)
             opt.step()

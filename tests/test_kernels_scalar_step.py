@@ -314,13 +314,20 @@ def _force_triton(monkeypatch):
     monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
 
 
+# test_fused.py's fault sequence on 40 x 70 entries under the interpreter (11 blocks of 256; its 300 x 70 took
+# 82 blocks a step, and these cases most of the suite's 5.3 minutes on a 2-core CI machine) and on a GPU as it is
+def _shapes(device) -> list[tuple[int, ...]]:
+    from test_fused import SHAPES
+    return [(40, 70), *SHAPES[1:]] if device == "cpu" else SHAPES
+
+
 def case_optimizer_matches_loop(device, cls, policy, monkeypatch):
     _force_triton(monkeypatch)
     # with the guard the finite giants of the fault sequence are spikes (rescaled before they reach a
     # moment); without it they overflow the moments: both runs, so every stage is exercised
     for factor, stages in ((10.0, {"grad", "spike"}), (None, {"grad", "moment"})):
-        ref, ref_opt = _run(cls, "loop", policy, device=device, spike_factor=factor)
-        got, got_opt = _run(cls, "fused", policy, device=device, spike_factor=factor)
+        ref, ref_opt = _run(cls, "loop", policy, device=device, spike_factor=factor, shapes=_shapes(device))
+        got, got_opt = _run(cls, "fused", policy, device=device, spike_factor=factor, shapes=_shapes(device))
         assert_params_and_state_close(ref, ref_opt, got, got_opt, equal_nan=True)
         if policy == "off":
             return
@@ -369,12 +376,18 @@ def case_launch_failure_falls_back(device, monkeypatch):
 
 def case_clean_repair_is_off(device, cls, monkeypatch):
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    runs = [_run(cls, "fused", policy, device=device, clean=True)[0] for policy in ("repair", "off")]
+    runs = [_run(cls, "fused", policy, device=device, clean=True, shapes=_shapes(device))[0]
+            for policy in ("repair", "off")]
     for p, q in zip(*runs):
         assert torch.equal(p, q)
 
 
-_ONE_SIZES = (4100, 7, 300, 1, 2100)  # 3, 1, 1, 1 and 2 blocks of 2048
+def _one_sizes() -> tuple[int, ...]:
+    """3, 1, 1, 1 and 2 blocks of the kernels' block (2048 on a GPU: 4100, 7, 300, 1, 2100; 256 under the
+    interpreter, where the GPU's sizes took 9x the blocks and a minute of a 2-core CI machine)."""
+    from nonans_optim.kernels._elementwise import elementwise_block
+    b = elementwise_block()[0]
+    return 2 * b + 4, 7, 300, 1, b + 52
 
 
 def _one_launch_run(cls, impl: str, device: str, monkeypatch, *, one: bool):
@@ -386,17 +399,18 @@ def _one_launch_run(cls, impl: str, device: str, monkeypatch, *, one: bool):
     step 6 (no recent event: continued, not held)."""
     monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1" if one else "0")
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in _ONE_SIZES]
+    sizes = _one_sizes()
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     opt = cls(params, lr=1e-2, weight_decay=0.1, impl=impl)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 9):
-        grads = [torch.randn(n, generator=gen) for n in _ONE_SIZES]
+        grads = [torch.randn(n, generator=gen) for n in sizes]
         if step == 2:
-            grads[0][3], grads[2][0], grads[4][2099] = float("nan"), float("inf"), float("-inf")
+            grads[0][3], grads[2][0], grads[4][-1] = float("nan"), float("inf"), float("-inf")
         if step in (3, 4, 5):
             grads[0].fill_(float("nan"))
         if step in (4, 5):
-            grads[4][:2050] = float("nan")
+            grads[4][:sizes[4] - 50] = float("nan")  # the first block and two entries of the second
         if step == 6:
             grads[3].fill_(float("-inf"))
         if step in (7, 8):
@@ -439,7 +453,7 @@ def case_one_launch_matches_loop(device, cls, monkeypatch):
     assert {actions[k] for k in ((3, 0), (4, 0), (5, 0), (7, 4), (8, 4))} == {"held"}
     assert {actions[k] for k in ((2, 0), (4, 4), (5, 4), (6, 3))} == {"repaired"}
     (scratch,) = got_opt._resolution._scratch.values()  # one group: one scratch
-    n = len(_ONE_SIZES)  # its tickets, deferred count and flags are zero again; deferred ids were written
+    n = len(_one_sizes())  # its tickets, deferred count and flags are zero again; deferred ids were written
     assert int(scratch[:2 + n].abs().sum()) == 0 and int(scratch[2 + n:].abs().sum()) > 0
 
 
