@@ -16,13 +16,14 @@ and to about 3 us once the counters' pointers were cached per index list (``Reso
 
 Scope: contiguous CPU tensors (parameter, gradient, state, and an fp32 ``state['step']``), all fp32 or all
 bf16 in one call. bf16 runs the fp32 arithmetic on widened entries and rounds each result once as it is
-stored (torch's fused AdamW does the same; so did ``impl="compiled"``, which bf16 groups ran until
-2026-11-26, at 4.4x the "off" step and 17x torch's fused AdamW on the default GPT — the C file's header has
-the rest). CUDA groups go to the multi-tensor Triton kernels instead (:mod:`._fused_triton`,
-``NONANS_FUSED_BACKEND``). Any other group — fp16 or fp64, channels_last, a strided gradient, fp32 and bf16
-tensors mixed — runs ``impl="compiled"`` with identical semantics, and so does everything when the kernel
-cannot be built (one warning). No host synchronisation: on CPU the
-tensors already live in host memory, and the kernel reads nothing the step has not already computed.
+stored, as torch's fused AdamW does (native/scalar_step.c's header has the rest). Until 2026-11-26 this
+function sent bf16 groups to ``impl="compiled"`` and ``impl="auto"`` sent them to the eager foreach step:
+22x torch's fused AdamW on the default GPT in bf16 (RESULTS.md, "A bf16 model's (SF-)AdamW step on CPU",
+where the loop now runs at 0.97x). CUDA groups go to the multi-tensor Triton kernels instead
+(:mod:`._fused_triton`, ``NONANS_FUSED_BACKEND``). Any other group — fp16 or fp64, channels_last, a strided
+gradient, fp32 and bf16 tensors mixed — runs ``impl="compiled"`` with identical semantics, and so does
+everything when the kernel cannot be built (one warning). No host synchronisation: on CPU the tensors
+already live in host memory, and the kernel reads nothing the step has not already computed.
 """
 from __future__ import annotations
 
