@@ -111,16 +111,30 @@ def _simd_flags() -> list[str]:
 
 
 def _build(cc: str, flags: list[str], out: Path) -> str | None:
-    """Compile to a temporary file and move it into place (atomic: concurrent processes may race)."""
+    """Compile to a temporary file and move it into place (atomic: concurrent processes may race).
+
+    Each C file is compiled by a compiler process of its own, all at once, then linked, instead of one ``cc``
+    compiling them one after another, which every user waits for on the first step: about 25 s on a 2-core
+    Xeon (2026-11-26, gcc 12), of which spectral_pre.c takes 16.5 s alone; in parallel 21 s there, and
+    about that one file's time on a machine with more cores."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *_BASE_FLAGS, *flags, f"-I{_DIR}", *[str(s) for s in SOURCES if s.suffix == ".c"], "-o", tmp,
-           "-lm"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    common = [cc, *_BASE_FLAGS, *flags, f"-I{_DIR}"]
+    sources = [s for s in SOURCES if s.suffix == ".c"]
+    with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+        objects = [str(Path(objdir) / f"{s.stem}.o") for s in sources]
+        cmds = [[*common, "-c", str(s), "-o", o] for s, o in zip(sources, objects)]
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+        steps = [(c, proc.communicate()[1], proc.returncode) for c, proc in zip(cmds, procs)]
+        if all(rc == 0 for *_, rc in steps):
+            link = [*common, *objects, "-o", tmp, "-lm"]
+            proc = subprocess.run(link, capture_output=True, text=True)
+            steps.append((link, proc.stderr, proc.returncode))
+    failed = next(((c, err) for c, err, rc in steps if rc != 0), None)
+    if failed is not None:
         os.unlink(tmp)
-        return f"{' '.join(cmd)}: {proc.stderr.strip()[-400:]}"
+        return f"{' '.join(failed[0])}: {failed[1].strip()[-400:]}"
     os.replace(tmp, out)
     return None
 
