@@ -14,6 +14,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nonans_optim as no
 from nonans_optim import native
@@ -83,10 +85,10 @@ def test_bf16_step_is_the_fp32_step_rounded(cls, policy, factor):
 
 
 def _window_run(cls, impl: str, dtype=torch.bfloat16):
-    """Two steps on 64 entries with lr = 1e36 (every entry moves by about 1e36), after which entry 0 and
-    entry 1 hold values that fp32 stores and bf16 cannot: entry 0 starts at bf16's largest value and its
-    update (AdamW: p; schedule-free: z, and y) lands in (2 - 2^-8)·2^127 … FLT_MAX; entry 1's new v does
-    (an old v of 2.3e36, then g = 5.81e20, whose (1-β₂)·g² is 3.376e38)."""
+    """Two steps on 64 entries with lr = 1e36 (every entry moves by about 1e36), after which entries 0 and
+    1 hold values that fp32 stores and bf16 cannot: entry 0 starts at bf16's largest value and its update
+    (AdamW: p; schedule-free: z, and y) lands in (2 - 2^-8)·2^127 … FLT_MAX; entry 1's new v does (an old v
+    of 2.3e36, then g = 5.81e20, whose (1-β₂)·g² is 3.376e38)."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(64).to(dtype))
     opt = cls([p], lr=1e36, weight_decay=0.0, impl=impl)
@@ -127,6 +129,33 @@ def test_values_that_are_inf_in_bf16_follow_the_loop(cls):
 
 
 @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+def test_an_old_v_near_the_limit_takes_the_exact_path(cls):
+    """An ordinary step but for one entry: its old v at bf16's largest value and g = 3.6e19, every input of
+    its group within the tested path's bound on magnitudes — only the bound on the old v (at most
+    FLT_MAX / 4) sends the group to the gated loop, where the new v (3.399e38: finite in fp32, Inf in bf16)
+    is a missing observation, as in the loop."""
+    runs = []
+    for impl, dtype in (("loop", torch.bfloat16), ("fused", torch.bfloat16), ("fused", torch.float32)):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(256).to(dtype))
+        opt = cls([p], lr=1e-3, impl=impl)
+        p.grad = torch.randn(256).to(dtype)
+        opt.step()
+        with torch.no_grad():
+            opt.state[p]["exp_avg_sq"][70] = BF16_MAX
+        p.grad = torch.randn(256).to(dtype)
+        p.grad[70] = torch.tensor(3.6e19).bfloat16().float()
+        opt.step()
+        runs.append((p, opt))
+    (ref, ref_opt), (got, got_opt), (_, wide_opt) = runs
+    assert not wide_opt.events  # finite in fp32
+    assert [(e.stage, e.inf_count) for e in got_opt.events] == [("moment", 1)]
+    assert_resolution_matches(ref_opt, got_opt)
+    v = got_opt.state[got]["exp_avg_sq"]
+    assert torch.isfinite(v).all() and v[70] == BF16_MAX
+
+
+@pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 def test_bf16_repair_equals_off_on_clean_steps(cls):
     """Under "repair" a clean bf16 step takes the tested path (scalar_bf16.h): the same bits as "off"."""
     runs = []
@@ -147,3 +176,49 @@ def test_bf16_repair_equals_off_on_clean_steps(cls):
             if torch.is_tensor(val):
                 assert torch.equal(val, ob.state[q][key]), key
     assert not ob.events
+
+
+@settings(max_examples=20, deadline=None)
+@given(cls=st.sampled_from([no.AdamW, no.SFAdamW]), policy=st.sampled_from(["repair", "skip"]),
+       value=st.sampled_from([float("nan"), float("inf"), float("-inf"), 3e38, -3e38]),
+       pattern=st.sampled_from(["element", "tensor"]), where=st.integers(0, 2799), step=st.integers(1, 3),
+       seed=st.integers(0, 2 ** 16))
+def test_bf16_invariant_and_moments_under_injection(cls, policy, value, pattern, where, step, seed):
+    """The resolution contract on the bf16 loop, for a random fault (NaN, ±Inf, or a finite giant whose
+    square overflows) on one entry or a whole tensor, at a random step: parameters and state stay finite, a
+    non-finite gradient entry leaves both moments exactly as they were, and the event counts what was
+    injected. 40 x 70 entries: 43 tested groups of 64 and a tail; the fault lands in any of them."""
+    torch.manual_seed(seed)
+    shapes = [(40, 70), (33,)]
+    params = [torch.randn(s).bfloat16().requires_grad_() for s in shapes]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, resolution=policy, spike_factor=None)
+    second = "z" if cls is no.SFAdamW else "exp_avg"
+    bad = value != value or abs(value) == float("inf")
+    for t in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape).bfloat16()
+        flat = params[0].grad.view(-1)
+        if t == step:
+            if pattern == "element":
+                flat[where] = value
+            else:
+                flat.fill_(value)
+            before = {k: opt.state[params[0]][k].clone() for k in ("exp_avg_sq", second)}
+        opt.step()
+        if t == step and bad:
+            after = opt.state[params[0]]
+            hit = torch.zeros(flat.numel(), dtype=torch.bool)
+            hit[where if pattern == "element" else slice(None)] = True
+            assert torch.equal(after["exp_avg_sq"].view(-1)[hit], before["exp_avg_sq"].view(-1)[hit])
+            if cls is no.AdamW:  # (z moves with the direction, which is 0 at a missing entry, and decays)
+                assert torch.equal(after["exp_avg"].view(-1)[hit], before["exp_avg"].view(-1)[hit])
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.isfinite(v).all() for p in params for v in opt.state[p].values() if torch.is_tensor(v))
+    grad_events = [e for e in opt.events if e.stage == "grad"]
+    if bad:
+        n = 1 if pattern == "element" else 40 * 70
+        assert [(e.step, e.param) for e in grad_events] == [(step + 1, 0)]
+        assert grad_events[0].nan_count + grad_events[0].inf_count == n
+        assert (grad_events[0].nan_count == n) == (value != value)
+    else:  # finite: its square overflows v, a missing observation counted in the moment stage
+        assert not grad_events and [(e.step, e.stage) for e in opt.events] == [(step + 1, "moment")]
