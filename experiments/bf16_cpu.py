@@ -6,7 +6,9 @@ Why it exists: every other CPU table times fp32 tensors. A model cast to bf16 (`
 common way to train on a CPU, and until 2026-11-26 ``impl="auto"`` sent such a group to the eager foreach
 step — 17x torch's fused AdamW on the default GPT, "repair" 4.4x "off" there (a scratch script that day;
 this command's "before" row measures that path as it is). The native loop now widens bf16 entries to fp32,
-steps them in fp32 and rounds each result once as it stores it (``nonans_optim/native/scalar_bf16.h``).
+steps them in fp32 and rounds each result once as it stores it (``nonans_optim/native/scalar_bf16.h``); so do
+the spectral loops for SF-NorMuon's and Muon's bf16 matrices, which ran foreach at 4.1-4.4x their fp32 step
+(this command before they did). The spectral rows time each spectral optimizer on the model in bf16 and fp32.
 
 Design: fresh processes (the timing experiments' way to start from nothing), each on the default GPT cast to
 bf16 with fixed synthetic gradients. In each: per optimizer, one optimizer whose policy is switched between
@@ -38,8 +40,9 @@ __all__ = ["run", "render", "main", "JSON", "TITLE"]
 CPU = torch.device("cpu")
 JSON, TITLE = "bf16_cpu.json", "A bf16 model's (SF-)AdamW step on CPU (issue 3)"
 OURS = {"AdamW": no.AdamW, "SFAdamW": no.SFAdamW}
-# the spectral path's native loops take fp32 tensors only: a bf16 model's hidden matrices run foreach
-SPECTRAL = {"SFNorMuon": no.SFNorMuon}
+# the spectral loops take bf16 matrices without MONA and KL-Shampoo (SF-NorMuon, Muon); FullFusion's bf16
+# matrices run foreach
+SPECTRAL = {"SFNorMuon": no.SFNorMuon, "FullFusion": no.FullFusion}
 TARGET = 1.02  # issue 3: repair at most +2% of the optimizer step on CPU
 LR = 1e-3
 
@@ -169,9 +172,10 @@ def render(data: dict[str, Any]) -> str:
                      f"{fmt(before['ms'] / now['ms'], 3)}x faster ({fmt(now['vs_torch_fused'], 3)} against "
                      f"{fmt(before['vs_torch_fused'], 3)} × torch's fused AdamW).")
     if data.get("spectral"):
-        lines += ["", "The spectral path's native loops take fp32 tensors only, so a bf16 model's hidden matrices "
-                  "run the eager foreach step: each spectral optimizer (auto, repair) on the same model in bf16 "
-                  "and in fp32, paired in rounds of their own, one step per sample (median over processes).", "",
+        lines += ["", "Each spectral optimizer (auto, repair) on the same model in bf16 and in fp32, paired in rounds "
+                  "of their own, one step per sample (median over processes). The native spectral loops take bf16 "
+                  "matrices without MONA and KL-Shampoo (SF-NorMuon, Muon); FullFusion's bf16 matrices run the "
+                  "eager foreach step.", "",
                   "| optimizer (auto, repair) | bf16 model ms | fp32 model ms | bf16 / fp32 |", "|---|---|---|---|"]
         for name, r in data["spectral"].items():
             lines.append(f"| {name} | {fmt(r['bfloat16'], 3)} | {fmt(r['float32'], 3)} | {fmt(r['bf16_vs_fp32'], 3)} |")

@@ -222,3 +222,106 @@ def test_bf16_invariant_and_moments_under_injection(cls, policy, value, pattern,
         assert (grad_events[0].nan_count == n) == (value != value)
     else:  # finite: its square overflows v, a missing observation counted in the moment stage
         assert not grad_events and [(e.step, e.stage) for e in opt.events] == [(step + 1, "moment")]
+
+
+SPECTRAL_SHAPES = [(64, 200), (64, 200), (300, 40), (33, 17)]  # tests/test_fused_spectral.py's
+
+
+def _spectral_grads(t: int, gen) -> list[torch.Tensor]:
+    """test_fused_spectral.py's fault sequence (a NaN and an Inf; a whole matrix lost twice: the hold rule;
+    a finite giant whose momentum lerp overflows; a spike the guard rescales), in bf16."""
+    gs = [torch.randn(s, generator=gen) for s in SPECTRAL_SHAPES]
+    if t == 1:
+        gs[0][0, 3], gs[0][5, 5] = float("nan"), float("inf")
+    if t in (2, 3):
+        gs[3].fill_(float("nan"))
+        gs[1][3, 7] = -3.3e38 if t == 2 else 3.3e38
+    if t == 4:
+        gs[2] *= 1e4
+    return [g.bfloat16() for g in gs]
+
+
+@pytest.mark.parametrize("policy", ["repair", "skip", "off"])
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon], ids=["SFNorMuon", "Muon"])
+def test_bf16_spectral_step_is_the_fp32_step_rounded(cls, policy):
+    """The spectral loops on bf16 matrices (SF-NorMuon, Muon: no MONA, no KL-Shampoo): each step writes what
+    an fp32 twin's step on the widened values writes, rounded to bf16, bit for bit — the momentum buffer
+    (bf16 in both: the hot dtype's), NorMuon's fp32 row moment, z — with the same events."""
+    torch.manual_seed(0)
+    params = [(0.1 * torch.randn(s)).bfloat16().requires_grad_() for s in SPECTRAL_SHAPES]
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "resolution": policy, "impl": "fused"}
+    opt = cls([{"params": params, "path": "spectral"}], **kw)
+    gen = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for t in range(6):
+            grads = _spectral_grads(t, gen)
+            twins = None
+            if opt.state:
+                twins = [p.detach().float().requires_grad_() for p in params]
+                twin = cls([{"params": twins, "path": "spectral"}], **kw)
+                twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            if twins is None:
+                continue
+            for q, g in zip(twins, grads):
+                q.grad = g.float()
+            twin.step()
+            for p, q in zip(params, twins):
+                torch.testing.assert_close(p, q.bfloat16(), rtol=0, atol=0, equal_nan=True)
+                for key, val in opt.state[p].items():
+                    if torch.is_tensor(val):
+                        want = twin.state[q][key]
+                        want = want.to(val.dtype)
+                        torch.testing.assert_close(val, want, rtol=0, atol=0, equal_nan=True, msg=key)
+            if policy != "off":
+                assert_resolution_matches(twin, opt, ema_rtol=0)
+    finally:
+        torch.set_num_threads(before)
+    if policy != "off":
+        assert all(torch.isfinite(p).all() for p in params)
+        assert {"grad", "spike"} <= {e[2] for e in event_tuples(opt)}
+
+
+def _spectral_window_run(cls, impl: str, dtype, sign: float, lr: float):
+    """One ordinary step (lr 1e-2), then entry [0, 0] (and z's) set to ``sign`` · bf16's largest value and
+    one step of size ``lr``: the entry (z's, schedule-free) then moves by lr·d, d fixed by the first step."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((0.1 * torch.randn(16, 24)).to(dtype))
+    opt = cls([{"params": [p], "path": "spectral"}], lr=1e-2, weight_decay=0.0, impl=impl)
+    p.grad = torch.randn(16, 24).to(dtype)
+    opt.step()
+    with torch.no_grad():
+        p[0, 0] = sign * BF16_MAX
+        if "z" in opt.state[p]:
+            opt.state[p]["z"][0, 0] = p[0, 0]
+    opt.param_groups[0]["lr"] = lr
+    p.grad = torch.randn(16, 24).to(dtype)
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon], ids=["SFNorMuon", "Muon"])
+def test_bf16_spectral_update_that_is_inf_in_bf16_follows_the_loop(cls):
+    """Entry [0, 0] (and, schedule-free, z's) at bf16's largest magnitude, and a step size that moves it by
+    1e36 outwards (measured on an fp32 run with lr = 1e35: the move is lr·d): it lands in the middle of
+    the window between bf16's rounding limit (3.3962e38) and fp32's maximum (3.4028e38) — finite in fp32,
+    Inf once stored. The fused bf16 step keeps the value and counts it as impl="loop" does (whose rounding
+    of every op moves the value by far less than the window's half-width)."""
+    def moved(sign: float, lr: float) -> float:
+        q, opt = _spectral_window_run(cls, "fused", torch.float32, sign, lr)
+        return float(opt.state[q].get("z", q)[0, 0].detach()) - sign * BF16_MAX
+
+    slope = moved(1.0, 1e35) / 1e35
+    sign, lr = (1.0 if slope > 0 else -1.0), 1e36 / abs(slope)
+    wide, wide_opt = _spectral_window_run(cls, "fused", torch.float32, sign, lr)
+    assert not wide_opt.events  # finite in fp32: nothing to resolve there
+    ref, ref_opt = _spectral_window_run(cls, "loop", torch.bfloat16, sign, lr)
+    got, got_opt = _spectral_window_run(cls, "fused", torch.bfloat16, sign, lr)
+    assert {e.stage for e in ref_opt.events} == {"update"}
+    assert_resolution_matches(ref_opt, got_opt)
+    assert torch.isfinite(got).all() and all(torch.isfinite(v).all() for v in got_opt.state[got].values()
+                                             if torch.is_tensor(v))

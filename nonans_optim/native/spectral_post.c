@@ -6,11 +6,12 @@
 
 #include "common.h"
 
-/* Pass B over one row: d = O·rsc, the update, the guard; sf/decay/gate are constants at every call site
+/* Pass B over one row: d = O·rsc, the update, the guard; sf/decay/gate/bf are constants at every call site
  * (one straight vector loop per variant). Adds the row's update counts to *un, *ub. The portable form;
- * update_row_avx512_ below is the same in intrinsics, which the build uses where the CPU has them. */
+ * update_row_avx512_ below is the same in intrinsics, which the build uses where the CPU has them. bf: the
+ * rows are a bf16 parameter's (and z's), widened: the guard tests finiteness as they will be stored. */
 static inline __attribute__((always_inline)) void update_row_(
-        const int sf, const int decay, const int gate, const float *restrict orow, float *restrict pr,
+        const int sf, const int decay, const int gate, const int bf, const float *restrict orow, float *restrict pr,
         float *restrict zr, int64_t C, float rsc, float lr, float lrc, float wdf, float wd, float c, int keep,
         int64_t *un_out, int64_t *ub_out) {
     int un = 0, ub = 0;
@@ -29,12 +30,12 @@ static inline __attribute__((always_inline)) void update_row_(
         }
         if (gate) {
             un += y != y;
-            ub += !finitef_(y);
-            y = (finitef_(y) & !keep) ? y : po;
+            ub += !storable_(y, bf);
+            y = (storable_(y, bf) & !keep) ? y : po;
             if (sf) {
                 un += zn != zn;
-                ub += !finitef_(zn);
-                zn = (finitef_(zn) & !keep) ? zn : zo;
+                ub += !storable_(zn, bf);
+                zn = (storable_(zn, bf) & !keep) ? zn : zo;
             }
         }
         pr[j] = y;
@@ -80,8 +81,28 @@ static inline __attribute__((always_inline)) void update_row_avx512_(
 }
 #define UPDATE_ROW_ update_row_avx512_
 #else
-#define UPDATE_ROW_ update_row_
+#define UPDATE_ROW_(sf, decay, gate, ...) update_row_(sf, decay, gate, 0, __VA_ARGS__)
 #endif
+
+/* Pass B over one row of a bf16 parameter (and z): widened into the thread's row buffers, updated there by
+ * the portable row loop with the guard testing finiteness as stored, and rounded back once per value. The
+ * parameter's rows stay untouched until then, so a kept value is written back as the bits it had. */
+static void update_row_bf16_(int sf, int decay, int gate, const float *restrict orow, void *restrict p,
+                             void *restrict z, float *restrict prow, float *restrict zrow, int64_t C, float rsc,
+                             float lr, float lrc, float wdf, float wd, float c, int keep, int64_t *un, int64_t *ub) {
+    for (int64_t j = 0; j < C; j++) prow[j] = ld_(p, j, 1);
+    if (sf)
+        for (int64_t j = 0; j < C; j++) zrow[j] = ld_(z, j, 1);
+    if (!gate && !sf) update_row_(0, 0, 0, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, 0, un, ub);
+    else if (!gate && !decay) update_row_(1, 0, 0, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, 0, un, ub);
+    else if (!gate) update_row_(1, 1, 0, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, 0, un, ub);
+    else if (!sf) update_row_(0, 0, 1, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, keep, un, ub);
+    else if (!decay) update_row_(1, 0, 1, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, keep, un, ub);
+    else update_row_(1, 1, 1, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, keep, un, ub);
+    for (int64_t j = 0; j < C; j++) st_(p, j, prow[j], 1);
+    if (sf)
+        for (int64_t j = 0; j < C; j++) st_(z, j, zrow[j], 1);
+}
 
 /* Σⱼ (O·inv)² of a tensor's rows in double: the rare path of ‖Ô‖_F, taken only when the fp32 row sums (or
  * their products with 1/dᵢ²) came out non-finite. NS5's output cannot get there, but a finite O whose squares
@@ -106,10 +127,10 @@ static double frobenius_sq_wide_(const void *o, int o_bf16, const float *inv, in
  * them (hold: bit 0 the hold rule, bit 1 "skip" — nothing written, counts kept); hp = {1-β₂ᴺ, εᴺ, λ, c,
  * β(1-c)-1}; gamma: the 0-d step size; scale: escalation (gate only).
  * Returns 0, or 1 when scratch memory could not be allocated (nothing written). */
-int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, float **v, const int64_t *rows,
+int nonans_spectral_post(int64_t n, void **o, int o_bf16, void **p, void **z, float **v, const int64_t *rows,
                          const int64_t *cols, const uint8_t *row_ok, const uint8_t *hold, const float *gamma,
                          const float *hp, int normuon, int sf, int decay, int policy, const int64_t *sel,
-                         const float *scale, int64_t *dense, int nthreads) {
+                         const float *scale, int64_t *dense, int nthreads, int p_bf16) {
     const int T = nthreads > 0 ? nthreads : 1;
     const int gate = policy != POLICY_OFF;
     const float one_m_b2 = hp[0], eps = hp[1], wd = hp[2], c = hp[3], coef = hp[4];
@@ -129,15 +150,18 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
         acc += rows[i];
         max_cols = cols[i] > max_cols ? cols[i] : max_cols;
     }
-    float *rowbufs = o_bf16 ? malloc((size_t)(T * max_cols) * sizeof(float)) : NULL;
-    if (o_bf16 && !rowbufs) {
+    /* per thread: the widened O row, and a bf16 parameter's p and z rows */
+    const int64_t nbuf = (o_bf16 ? 1 : 0) + (p_bf16 ? 2 : 0);
+    float *rowbufs = nbuf ? malloc((size_t)(T * nbuf * max_cols) * sizeof(float)) : NULL;
+    if (nbuf && !rowbufs) {
         free(rs); free(cnt);
         return 1;
     }
 #pragma omp parallel num_threads(T)
     {
         const int tid = thread_id_(), nt = thread_count_();
-        float *rowbuf = o_bf16 ? rowbufs + tid * max_cols : NULL;
+        float *rowbuf = nbuf ? rowbufs + tid * nbuf * max_cols : NULL;
+        float *prow = p_bf16 ? rowbuf + (o_bf16 ? max_cols : 0) : NULL, *zrow = p_bf16 ? prow + max_cols : NULL;
         for (int64_t i = 0; i < n; i++) {
             const int64_t R = rows[i], C = cols[i], base = row_off[i];
             const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
@@ -203,7 +227,13 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, float **p, float **z, 
                     for (int64_t j = 0; j < C; j++) rowbuf[j] = bf16_to_f32_(src[j]);
                     orow = rowbuf;
                 }
-                float *pr = p[i] + r * C, *zr = sf ? z[i] + r * C : NULL;
+                if (p_bf16) {
+                    update_row_bf16_(sf, decay, gate, orow, (uint16_t *)p[i] + r * C,
+                                     sf ? (void *)((uint16_t *)z[i] + r * C) : NULL, prow, zrow, C, rsc, lr, lrc, wdf,
+                                     wd, c, keep, &un_t, &ub_t);
+                    continue;
+                }
+                float *pr = (float *)p[i] + r * C, *zr = sf ? (float *)z[i] + r * C : NULL;
                 if (!gate && !sf) UPDATE_ROW_(0, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
                 else if (!gate && !decay) UPDATE_ROW_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
                 else if (!gate) UPDATE_ROW_(1, 1, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);

@@ -1,5 +1,7 @@
 /* The elementwise work around NS5 on the spectral path (NS5 + optional NorMuon + optional schedule-free),
- * for contiguous fp32 CPU parameters and gradients; the momentum buffer is fp32 or bf16.
+ * for contiguous fp32 CPU parameters and gradients, or bf16 ones without MONA (a bf16 gradient row is
+ * widened before each pass reads it; spectral_post.c rounds a bf16 parameter's rows once); the momentum
+ * buffer is fp32 or bf16.
  *
  * Ground truth: nonans_optim/optimizers/_spectral.py (impl="loop"). The arithmetic is that of
  * optimizers/_compiled_spectral.py (_pre and _post) written as row loops: inductor (torch 2.13, CPU) ran
@@ -96,6 +98,14 @@ static void narrow_row_(const float *restrict src, void *restrict dst, int bf16,
     uint16_t *h = (uint16_t *)dst;
 #pragma omp simd
     for (int64_t j = 0; j < C; j++) h[j] = f32_to_bf16_(src[j]);
+}
+
+/* Row r of a gradient with C columns, as fp32: a bf16 gradient's row widened into dst (exact; it stays in
+ * L1 for the pass that asked), an fp32 one in place. */
+static const float *grad_row_(const void *g, int bf16, int64_t r, int64_t C, float *restrict dst) {
+    if (!bf16) return (const float *)g + r * C;
+    widen_row_((const uint16_t *)g + r * C, 1, dst, C);
+    return dst;
 }
 
 /* Passes 1 and 2 over one row: Σ M², with M recomputed rather than stored (a stored fp32 M cost a 4-byte
@@ -240,13 +250,13 @@ static float row_check_(const float *restrict b, int64_t C, int bf16) {
  * bad_out (out, optional, one per tensor): the spike guard's scale of g and the count of non-finite
  * gradient entries (0 under "off"). Returns 0, or 1 when scratch memory could not be allocated (nothing
  * written). */
-int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x, int x_bf16,
+int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x, int x_bf16,
                         const int64_t *rows, const int64_t *cols, float **step, const float *hp, int nesterov,
                         float **mona_prev, float **mona_avg, const float *mona_hp, int raw,
                         int policy, float factor, float beta, float one_m_beta, float *ema, const int64_t *sel,
                         const int64_t *clean_streak, const int64_t *events, int64_t repeat_window,
                         uint8_t *row_ok, uint8_t *hold, float *scale_out, int64_t *bad_out, int64_t *dense,
-                        int nthreads) {
+                        int nthreads, int g_bf16) {
     const int T = nthreads > 0 ? nthreads : 1;
     const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
     const float one_m_mu = hp[0], mu = hp[1];
@@ -260,8 +270,9 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
     int *trig = calloc((size_t)(n + 1), sizeof(int));
     int64_t max_cols = 1;
     for (int64_t i = 0; i < n; i++) max_cols = cols[i] > max_cols ? cols[i] : max_cols;
-    /* per thread: buffer row, X row, and MONA's two rows for a "skip" tensor (computed, never written back) */
-    float *rowbufs = malloc((size_t)(4 * T * max_cols) * sizeof(float));
+    /* per thread: buffer row, X row, MONA's two rows for a "skip" tensor (computed, never written back), and
+     * a bf16 gradient's row widened */
+    float *rowbufs = malloc((size_t)(5 * T * max_cols) * sizeof(float));
     if (!part || !cnt || !new_ema || !trig || !rowbufs) { /* before anything is written */
         free(part); free(cnt); free(new_ema); free(trig); free(rowbufs);
         return 1;
@@ -276,12 +287,12 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
 #pragma omp parallel num_threads(T)
     {
         const int tid = thread_id_(), nt = thread_count_();
-        float *brow = rowbufs + 4 * tid * max_cols, *xrow = brow + max_cols, *prow = xrow + max_cols,
-              *arow = prow + max_cols;
+        float *brow = rowbufs + 5 * tid * max_cols, *xrow = brow + max_cols, *prow = xrow + max_cols,
+              *arow = prow + max_cols, *growb = arow + max_cols;
         for (int64_t i = 0; i < n; i++) {
             const int64_t R = rows[i], C = cols[i];
             const int64_t r0 = R * tid / nt, r1 = R * (tid + 1) / nt;
-            const float *gi = g[i];
+            const void *gi = g[i];
             float s = 1.0f;
             int skip = 0;
             const mona_t mo = {mona_hp != NULL ? mona_hp[0] : 0.0f, mona_hp != NULL ? mona_hp[1] : 0.0f,
@@ -300,7 +311,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             const size_t bsz = buf_bf16 ? 2 : 4, xsz = x_bf16 ? 2 : 4;
             int64_t nan_c = 0, bad_c = 0;
             for (int64_t r = r0; r < r1; r++) {
-                const float *gr = gi + r * C;
+                const float *gr = grad_row_(gi, g_bf16, r, C, growb);
                 const float *pr = pi ? pi + r * C : NULL, *ar = ai ? ai + r * C : NULL;
                 if (!raw) widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
                 if (!gate) {
@@ -374,7 +385,8 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
             if (s != 1.0f && !raw) { /* pass 2: the guard fired (the same decision on every thread) */
                 for (int64_t r = r0; r < r1; r++) {
                     widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
-                    msq[r] = row_msq_checked_(gi + r * C, brow, C, s, gate ? row_ok + row_off[i] + r : NULL,
+                    msq[r] = row_msq_checked_(grad_row_(gi, g_bf16, r, C, growb), brow, C, s,
+                                              gate ? row_ok + row_off[i] + r : NULL,
                                               one_m_mu, mu, nesterov, mop, pi ? pi + r * C : NULL,
                                               ai ? ai + r * C : NULL, buf_bf16);
                 }
@@ -399,6 +411,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                     ar = arow;
                 }
                 const uint8_t ok = gate ? row_ok[row_off[i] + r] : 1;
+                const float *gr = grad_row_(gi, g_bf16, r, C, growb);
                 if (ok == ROW_SPEC) {
                     /* KL-Shampoo's input: an entirely finite row, whose buffer (and MONA's A) can still
                      * overflow, which no pass before this one looked for. Speculate the ungated arithmetic,
@@ -411,7 +424,7 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                         memcpy(prow, pr, rb);
                         memcpy(arow, ar, rb);
                     }
-                    row_update_dispatch_(gi + r * C, brow, xrow, C, s, 0, one_m_mu, mu, nesterov, inv, mop, pr, ar,
+                    row_update_dispatch_(gr, brow, xrow, C, s, 0, one_m_mu, mu, nesterov, inv, mop, pr, ar,
                                          buf_bf16);
                     if (!finitef_(row_check_(brow, C, buf_bf16))) { /* failed: again from the old values, gated */
                         widen_row_(bdst, buf_bf16, brow, C);
@@ -419,11 +432,11 @@ int nonans_spectral_pre(int64_t n, float **g, void **buf, int buf_bf16, void **x
                             memcpy(pr, skip ? pr0 : prow, rb);
                             memcpy(ar, skip ? ar0 : arow, rb);
                         }
-                        ov_c += row_update_dispatch_(gi + r * C, brow, xrow, C, s, 1, one_m_mu, mu, nesterov, inv,
+                        ov_c += row_update_dispatch_(gr, brow, xrow, C, s, 1, one_m_mu, mu, nesterov, inv,
                                                      mop, pr, ar, buf_bf16);
                     }
                 } else {
-                    ov_c += row_update_dispatch_(gi + r * C, brow, xrow, C, s, gate && ok != 1, one_m_mu, mu,
+                    ov_c += row_update_dispatch_(gr, brow, xrow, C, s, gate && ok != 1, one_m_mu, mu,
                                                  nesterov, inv, mop, pr, ar, buf_bf16);
                 }
                 if (!skip) narrow_row_(brow, bdst, buf_bf16, C);

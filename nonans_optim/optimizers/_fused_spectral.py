@@ -9,9 +9,11 @@ matmuls — several times the time their byte traffic needs. Published since (RE
 time"): SF-NorMuon's whole step, median, 56.08 ms compiled and 45.46 ms fused.
 
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
-under every policy, for contiguous fp32 CPU parameters and gradients, a bf16 or fp32 momentum buffer, and a
-bf16 or fp32 hot dtype. Off the CPU (or with ``NONANS_FUSED_BACKEND=triton``) the group goes to the
-multi-tensor Triton kernels instead (``_fused_triton.triton_spectral_update``, the same components).
+under every policy, for contiguous fp32 CPU parameters and gradients — bf16 ones too without MONA and
+KL-Shampoo (SF-NorMuon, Muon: a bf16 gradient row is widened, a parameter row rounded once as it is stored,
+its guard testing finiteness as stored) —, a bf16 or fp32 momentum buffer, and a bf16 or fp32 hot dtype.
+Off the CPU (or with ``NONANS_FUSED_BACKEND=triton``) the group goes to the multi-tensor Triton kernels
+instead (``_fused_triton.triton_spectral_update``, the same components).
 Anything neither covers (fp16 NS5, say) returns False and the caller runs
 ``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
 gradient had a bad entry): the loops compute and count such a tensor's whole step and write nothing of
@@ -97,14 +99,30 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
     model: an audit script's paired ratios, 2026-11-26, commit a59fea2; the script is not in the repository
     and the numbers are not in RESULTS.md). The loops never fold counts themselves here, so both parts'
     counts reach the step's record."""
-    extra = [k for k in ("z", "normuon_row_sq", "mona_prev_grad", "mona_diff_avg") if k in states[0]]
-    bufs = [st["momentum_buffer"] for st in states]
-    covered = [pointers([p, g] + [st[k] for k in extra]) is not None
-               for p, g, st in zip(params, grads, states)]
-    first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
-    covered = [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
-    return run_covered(covered, (params, grads, states, indices),
-                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma, c=c))
+    lists = (params, grads, states, indices)
+    for dtype in _param_dtypes(comps):  # one call per parameter dtype
+        covered = [_covers(p, g, st, dtype) for p, g, st in zip(*lists[:3])]
+        bufs = [st["momentum_buffer"] for st in lists[2]]
+        first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
+        covered = [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
+        lists = run_covered(covered, lists, lambda *part: fused_spectral_update(*part, group, ctx, comps=comps,
+                                                                                gamma=gamma, c=c),
+                            whole=lists[0] is params)
+    return lists
+
+
+def _param_dtypes(comps: frozenset[str]) -> tuple[torch.dtype, ...]:
+    """The parameter dtypes the loops take for these components: bf16 only without MONA and KL-Shampoo
+    (their buffers and stacks are fp32 arithmetic on fp32 state)."""
+    return (torch.float32,) if comps & {"mona", "shampoo"} else (torch.float32, torch.bfloat16)
+
+
+def _covers(p: torch.Tensor, g: torch.Tensor, st: dict, dtype: torch.dtype) -> bool:
+    """Whether the loops take this matrix as a ``dtype`` parameter: parameter, gradient and z of that dtype,
+    NorMuon's row moment and MONA's buffers fp32, all contiguous CPU tensors."""
+    fp32 = [st[k] for k in ("normuon_row_sq", "mona_prev_grad", "mona_diff_avg") if k in st]
+    return (pointers([p, g] + ([st["z"]] if "z" in st else []), dtype) is not None
+            and (not fp32 or pointers(fp32) is not None))
 
 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
@@ -134,8 +152,11 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     shapes = [matrix_shape(p) for p in params]
     check_spectral_sizes([p.numel() for p in params], [m for m, _ in shapes], bufs, zs if sf else None,
                          vs if normuon else None, mona_bufs if mona else None)
-    ptrs = [pointers(params), pointers(grads), pointers(bufs, buf_dtype), pointers(steps),
-            pointers(zs) if sf else True, pointers(vs) if normuon else True,
+    p_dtype = params[0].dtype
+    if p_dtype not in _param_dtypes(comps):
+        return False
+    ptrs = [pointers(params, p_dtype), pointers(grads, p_dtype), pointers(bufs, buf_dtype), pointers(steps),
+            pointers(zs, p_dtype) if sf else True, pointers(vs) if normuon else True,
             pointers(mona_bufs[0]) if mona else True, pointers(mona_bufs[1]) if mona else True]
     if any(x is None for x in ptrs) or not gamma.is_cpu:
         return False
@@ -159,7 +180,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         ctypes.addressof(hp_mona) if mona else None, int(shampoo), _POLICY[policy], r["factor"], SPIKE_BETA,
         1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
         row_ok.data_ptr() if gate else None, hold.data_ptr(), ctypes.addressof(scale), ctypes.addressof(bad),
-        r["dense"], threads)
+        r["dense"], threads, int(p_dtype is torch.bfloat16))
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
     if shampoo:  # the host reads are of CPU memory the pre loop has just written: no device
@@ -178,7 +199,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         z_ptr if sf else nulls, v_ptr if normuon else nulls, rows, cols,
         row_ok.data_ptr() if gate else None, hold.data_ptr(), gamma.data_ptr(), ctypes.addressof(hp_post),
         int(normuon), int(sf), int(sf and group["weight_decay"] != 0), _POLICY[policy], r["sel"], r["scale"],
-        r["dense"], threads)
+        r["dense"], threads, int(p_dtype is torch.bfloat16))
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
     mark_written(params, bufs, steps, zs, vs, *mona_bufs, resolution_written(ctx))
