@@ -59,18 +59,23 @@ def pointers(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) ->
     return Int64Array(ptrs)
 
 
-def run_covered(covered: list[bool], lists: tuple[list, ...], step, *, whole: bool = True) -> tuple[list, ...]:
-    """impl="auto" on a group the native loops refused as a whole: ``step(*lists)`` (a native update taking
-    (params, grads, states, indices), True when it ran) on the entries ``covered`` marks, and the lists of
-    the others returned for the foreach path — ``lists`` unchanged when none are covered, when all are and
-    ``lists`` is the ``whole`` group (then the refusal was the group's own: no library, its components, its
-    device), or when ``step`` refused. Each
-    tensor's step is its own, so running a group in two parts changes no value beyond the rounding that
-    separates the two paths (``_scalar._native_part``, ``_fused_spectral.native_part``)."""
-    if not any(covered) or (whole and all(covered)):
-        return lists
-    mine, rest = ([[x for x, c in zip(xs, covered) if c == want] for xs in lists] for want in (True, False))
-    return tuple(rest) if step(*mine) else lists
+def run_covered(lists: tuple[list, ...], dtypes: tuple[torch.dtype, ...], covers, step) -> tuple[list, ...]:
+    """impl="auto" on a group the native loops refused as a whole: for each dtype in turn, ``step(*part)``
+    (a native update taking (params, grads, states, indices), True when it ran) on the entries that
+    ``covers(dtype, params, grads, states)`` marks among those still left, and the lists of the others
+    returned for the foreach path. A dtype's part is left alone when it is empty, when it is the whole group
+    (then the refusal was the group's own: no library, its components, its device), or when ``step``
+    refused it. Each tensor's step is its own, so running a group in parts changes no value beyond the
+    rounding that separates the paths (``_scalar._native_part``, ``_fused_spectral.native_part``)."""
+    rest = lists
+    for dtype in dtypes:
+        covered = covers(dtype, *rest[:3])
+        if not any(covered) or (rest is lists and all(covered)):
+            continue
+        mine, others = ([[x for x, c in zip(xs, covered) if c == want] for xs in rest] for want in (True, False))
+        if step(*mine):
+            rest = tuple(others)
+    return rest
 
 
 _OFF = dict(ema=None, sel=None, scale=None, streak=None, events=None, dense=None, window=0, factor=0.0, rec=None,

@@ -99,16 +99,14 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
     model: an audit script's paired ratios, 2026-11-26, commit a59fea2; the script is not in the repository
     and the numbers are not in RESULTS.md). The loops never fold counts themselves here, so both parts'
     counts reach the step's record."""
-    lists = (params, grads, states, indices)
-    for dtype in _param_dtypes(comps):  # one call per parameter dtype
-        covered = [_covers(p, g, st, dtype) for p, g, st in zip(*lists[:3])]
-        bufs = [st["momentum_buffer"] for st in lists[2]]
+    def covers(dtype, ps, gs, sts) -> list[bool]:  # one call per parameter dtype
+        covered = [_covers(p, g, st, dtype) for p, g, st in zip(ps, gs, sts)]
+        bufs = [st["momentum_buffer"] for st in sts]
         first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
-        covered = [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
-        lists = run_covered(covered, lists, lambda *part: fused_spectral_update(*part, group, ctx, comps=comps,
-                                                                                gamma=gamma, c=c),
-                            whole=lists[0] is params)
-    return lists
+        return [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
+
+    return run_covered((params, grads, states, indices), _param_dtypes(comps), covers,
+                       lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma, c=c))
 
 
 def _param_dtypes(comps: frozenset[str]) -> tuple[torch.dtype, ...]:

@@ -50,7 +50,9 @@ def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: 
     the step's record, not the loop's own (``record_in_kernel`` off for these calls: the foreach part, or
     the other dtype's call, produces counts too)."""
     key = "z" if sf else "exp_avg"
-    lists = (params, grads, states, indices)
+
+    def covers(dtype, ps, gs, sts) -> list[bool]:
+        return [pointers([p, g, st[key], st["exp_avg_sq"]], dtype) is not None for p, g, st in zip(ps, gs, sts)]
 
     def step(*part) -> bool:
         saved, ctx["record_in_kernel"] = ctx["record_in_kernel"], False
@@ -59,11 +61,7 @@ def _native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: 
         finally:
             ctx["record_in_kernel"] = saved
 
-    for dtype in NATIVE_SCALAR_DTYPES:
-        covered = [pointers([p, g, st[key], st["exp_avg_sq"]], dtype) is not None
-                   for p, g, st in zip(*lists[:3])]
-        lists = run_covered(covered, lists, step, whole=lists[0] is params)
-    return lists
+    return run_covered((params, grads, states, indices), NATIVE_SCALAR_DTYPES, covers, step)
 
 
 def scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
