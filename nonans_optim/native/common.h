@@ -45,13 +45,15 @@ static inline float bf16_to_f32_(uint16_t h) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16_(float f) {
+/* The rounding alone, for a value known not to be NaN (scalar_bf16.h's tested groups skip the select). */
+static inline uint16_t f32_to_bf16_rne_(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if (f != f) return 0x7FC0;
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+static inline uint16_t f32_to_bf16_(float f) { return f != f ? 0x7FC0 : f32_to_bf16_rne_(f); }
 
 /* Entry j of an array stored as fp32 (bf = 0) or bf16 (bf = 1), as fp32; bf is a compile-time constant at
  * every call, so the other branch is gone and the loop around it vectorises as a plain fp32 (or widening)
@@ -64,6 +66,28 @@ static inline float ld_(const void *a, int64_t j, const int bf) {
 static inline void st_(void *a, int64_t j, float x, const int bf) {
     if (bf) ((uint16_t *)a)[j] = f32_to_bf16_(x);
     else ((float *)a)[j] = x;
+}
+
+/* Row helpers of the spectral loops. A bf16 row is widened into an fp32 row buffer first (it stays in L1),
+ * so every arithmetic loop runs on plain fp32 arrays and vectorises, and narrowed back once. */
+static inline void widen_row_(const void *restrict src, int bf16, float *restrict dst, int64_t C) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)C * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t j = 0; j < C; j++) dst[j] = bf16_to_f32_(h[j]);
+}
+
+static inline void narrow_row_(const float *restrict src, void *restrict dst, int bf16, int64_t C) {
+    if (!bf16) {
+        memcpy(dst, src, (size_t)C * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+#pragma omp simd
+    for (int64_t j = 0; j < C; j++) h[j] = f32_to_bf16_(src[j]);
 }
 
 /* Finite *as stored*: for bf16, below the magnitude that rounds to Inf ((2 - 2^-8)·2^127: bf16's largest

@@ -37,15 +37,6 @@ static inline uint16_t bf16_floor_bits_(float x) {
     return (uint16_t)(u >> 16);
 }
 
-/* f32_to_bf16_ for a value known to be finite (no NaN select): the tested groups' values, which the
- * bound keeps far from Inf, and a NaN in a group that fails the test is never stored from here. */
-static inline uint16_t f32_to_bf16_finite_(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* update_block_t_(1, ...) for [b0, b1), same arguments, same bits, same counts. */
 static inline __attribute__((always_inline)) void update_block_bf16_(
         const int sf, const int gate, const int clean, const int decay_z,
@@ -73,9 +64,9 @@ static inline __attribute__((always_inline)) void update_block_bf16_(
             vx = vb > vx ? vb : vx;
             const entry_t e = entry_(1, sf, 0, 0, decay_z, bf16_to_f32_(gb), bf16_to_f32_(vb), bf16_to_f32_(sb),
                                      bf16_to_f32_(pb), s, lr, wdf, lrc, bc1, bc2, h, 0, 0);
-            ty[l] = f32_to_bf16_finite_(e.y);
-            tv[l] = f32_to_bf16_finite_(e.vn);
-            ts[l] = f32_to_bf16_finite_(e.sn);
+            ty[l] = f32_to_bf16_rne_(e.y);
+            tv[l] = f32_to_bf16_rne_(e.vn);
+            ts[l] = f32_to_bf16_rne_(e.sn);
         }
         if (mx <= lb && vx <= vlb) {
             memcpy(P + j, ty, sizeof ty);

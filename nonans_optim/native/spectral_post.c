@@ -90,18 +90,16 @@ static inline __attribute__((always_inline)) void update_row_avx512_(
 static void update_row_bf16_(int sf, int decay, int gate, const float *restrict orow, void *restrict p,
                              void *restrict z, float *restrict prow, float *restrict zrow, int64_t C, float rsc,
                              float lr, float lrc, float wdf, float wd, float c, int keep, int64_t *un, int64_t *ub) {
-    for (int64_t j = 0; j < C; j++) prow[j] = ld_(p, j, 1);
-    if (sf)
-        for (int64_t j = 0; j < C; j++) zrow[j] = ld_(z, j, 1);
+    widen_row_(p, 1, prow, C);
+    if (sf) widen_row_(z, 1, zrow, C);
     if (!gate && !sf) update_row_(0, 0, 0, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, 0, un, ub);
     else if (!gate && !decay) update_row_(1, 0, 0, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, 0, un, ub);
     else if (!gate) update_row_(1, 1, 0, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, 0, un, ub);
     else if (!sf) update_row_(0, 0, 1, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, keep, un, ub);
     else if (!decay) update_row_(1, 0, 1, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, keep, un, ub);
     else update_row_(1, 1, 1, 1, orow, prow, zrow, C, rsc, lr, lrc, wdf, wd, c, keep, un, ub);
-    for (int64_t j = 0; j < C; j++) st_(p, j, prow[j], 1);
-    if (sf)
-        for (int64_t j = 0; j < C; j++) st_(z, j, zrow[j], 1);
+    narrow_row_(prow, p, 1, C);
+    if (sf) narrow_row_(zrow, z, 1, C);
 }
 
 /* Σⱼ (O·inv)² of a tensor's rows in double: the rare path of ‖Ô‖_F, taken only when the fp32 row sums (or
@@ -222,9 +220,7 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, void **p, void **z, fl
                 const float rsc = inv[r] * fac;
                 const float *orow = (const float *)o[i] + r * C;
                 if (o_bf16) {
-                    const uint16_t *src = (const uint16_t *)o[i] + r * C;
-#pragma omp simd
-                    for (int64_t j = 0; j < C; j++) rowbuf[j] = bf16_to_f32_(src[j]);
+                    widen_row_((const uint16_t *)o[i] + r * C, 1, rowbuf, C);
                     orow = rowbuf;
                 }
                 if (p_bf16) {

@@ -78,28 +78,6 @@ static inline __attribute__((always_inline)) float momentum_entry_(
     return nesterov ? lerpf_(din, nb, mu) : nb;
 }
 
-/* Row helpers of pre. A bf16 row is widened into an fp32 row buffer first (it stays in L1), so every
- * arithmetic loop runs on plain fp32 arrays and vectorises. */
-static void widen_row_(const void *restrict src, int bf16, float *restrict dst, int64_t C) {
-    if (!bf16) {
-        memcpy(dst, src, (size_t)C * sizeof(float));
-        return;
-    }
-    const uint16_t *h = (const uint16_t *)src;
-#pragma omp simd
-    for (int64_t j = 0; j < C; j++) dst[j] = bf16_to_f32_(h[j]);
-}
-
-static void narrow_row_(const float *restrict src, void *restrict dst, int bf16, int64_t C) {
-    if (!bf16) {
-        memcpy(dst, src, (size_t)C * sizeof(float));
-        return;
-    }
-    uint16_t *h = (uint16_t *)dst;
-#pragma omp simd
-    for (int64_t j = 0; j < C; j++) h[j] = f32_to_bf16_(src[j]);
-}
-
 /* Row r of a gradient with C columns, as fp32: a bf16 gradient's row widened into dst (exact; it stays in
  * L1 for the pass that asked), an fp32 one in place. */
 static const float *grad_row_(const void *g, int bf16, int64_t r, int64_t C, float *restrict dst) {
