@@ -117,20 +117,6 @@ static inline float sumsq_portable(const float *restrict g, int64_t b0, int64_t 
 
 #include "scalar_avx512.h"
 
-/* One block [b0, b1) of pass 2, adding its five counts to c. bf/sf/gate/clean/decay_z are compile-time
- * constants at every call site, so the compiler emits one straight vector loop per variant (bf: the
- * tensors are bf16, see the top of this file; update_block is the fp32 form).
- *
- * Counting is most of the resolution's arithmetic once the data is cache-resident (python -m experiments
- * overhead, "by tensor size"), so the loop keeps three counters, not five: a non-finite g always gives a
- * non-finite new v (NaN² is NaN, ±Inf² is Inf), so one count of non-finite new v (and new m) covers both
- * the bad gradient entries and the finite ones whose square or lerp overflowed (the moment stage, counted
- * as functional/adam.py counts it). Only a block where it is nonzero counts its NaN and non-finite gradient
- * entries again, from g, which the loop never writes — exact, and rare. clean: pass 1 found no non-finite
- * g in this block (and the tensor is neither held nor kept whole), so the gradient gate selects nothing
- * and the recount is not needed. This is the portable form; scalar_avx512.h and scalar_avx2.h have the same
- * loop in AVX-512 and AVX2 intrinsics, which the build uses where the CPU has them, and scalar_bf16.h the
- * test that lets a bf16 block run it without the gates. */
 /* One entry's values from its loaded inputs (so: m for AdamW, z for schedule-free): the new parameter y,
  * v and m or z, and what the gates did (miss: a missing observation, un/ub: the update stage's NaN and
  * non-finite counts, with z's added for schedule-free). The arithmetic of update_block_t_'s loop, shared
@@ -196,6 +182,20 @@ static inline __attribute__((always_inline)) entry_t entry_(
     return e;
 }
 
+/* One block [b0, b1) of pass 2, adding its five counts to c. bf/sf/gate/clean/decay_z are compile-time
+ * constants at every call site, so the compiler emits one straight vector loop per variant (bf: the
+ * tensors are bf16, see the top of this file; update_block is the fp32 form).
+ *
+ * Counting is most of the resolution's arithmetic once the data is cache-resident (python -m experiments
+ * overhead, "by tensor size"), so the loop keeps three counters, not five: a non-finite g always gives a
+ * non-finite new v (NaN² is NaN, ±Inf² is Inf), so one count of non-finite new v (and new m) covers both
+ * the bad gradient entries and the finite ones whose square or lerp overflowed (the moment stage, counted
+ * as functional/adam.py counts it). Only a block where it is nonzero counts its NaN and non-finite gradient
+ * entries again, from g, which the loop never writes — exact, and rare. clean: pass 1 found no non-finite
+ * g in this block (and the tensor is neither held nor kept whole), so the gradient gate selects nothing
+ * and the recount is not needed. This is the portable form; scalar_avx512.h and scalar_avx2.h have the same
+ * loop in AVX-512 and AVX2 intrinsics, which the build uses where the CPU has them, and scalar_bf16.h the
+ * test that lets a bf16 block run it without the gates. */
 static inline __attribute__((always_inline)) void update_block_t_(
         const int bf, const int sf, const int gate, const int clean, const int decay_z,
         void *restrict p, const void *restrict g, void *restrict m, void *restrict v, void *restrict z,
