@@ -27,25 +27,44 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernel
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
-def _twin(cls, opt, params, kw):
-    """An fp32 optimizer holding ``opt``'s parameters, state and counters, widened (exact)."""
+def _twin(make, opt, params):
+    """An fp32 optimizer (``make(params)``) holding ``opt``'s parameters, state and counters, widened (exact)."""
     twins = [p.detach().float().requires_grad_() for p in params]
-    twin = cls(twins, **kw)
+    twin = make(twins)
     twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # a state dict holds references: never share
     return twins, twin
 
 
 def _assert_rounded(got, got_opt, ref, ref_opt):
-    """bf16 tensors equal to the fp32 ones rounded (NaN where NaN: "off" lets the faults through)."""
+    """bf16 parameters equal to the fp32 ones rounded, and every state tensor to the twin's in its own dtype
+    (bf16 moments rounded; fp32 ones — ``step``, NorMuon's row moment — equal), NaN where NaN ("off" lets
+    the faults through)."""
     for p, q in zip(got, ref):
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(p, q.to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
         for key, val in got_opt.state[p].items():
-            want = ref_opt.state[q][key]
             if not torch.is_tensor(val):  # the optimizer-wide resolution record: assert_resolution_matches
                 continue
-            want = want if key == "step" else want.to(torch.bfloat16)
+            want = ref_opt.state[q][key].to(val.dtype)
             torch.testing.assert_close(val, want, rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def _step_against_twin(make, opt, params, grads, *, counters: bool) -> None:
+    """One step of the bf16 optimizer ``opt`` on ``grads`` and, from the second step on (the first creates
+    the state), the same step of an fp32 twin (:func:`_twin`) on the widened gradients: the bf16 step must
+    write the twin's results rounded (:func:`_assert_rounded`) and, where ``counters``, the same counters."""
+    twins, twin = _twin(make, opt, params) if opt.state else (None, None)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    if twin is None:
+        return
+    for q, g in zip(twins, grads):
+        q.grad = g.float()
+    twin.step()
+    _assert_rounded(params, opt, twins, twin)
+    if counters:
+        assert_resolution_matches(twin, opt, ema_rtol=0)
 
 
 @pytest.mark.parametrize("factor", [10.0, None], ids=["guard", "default"])
@@ -61,19 +80,8 @@ def test_bf16_step_is_the_fp32_step_rounded(cls, policy, factor):
     torch.set_num_threads(2)  # 21000 entries: two chunks, one per thread
     try:
         for t in range(STEPS):
-            grads = [g.bfloat16() for g in _grads(t, gen)]
-            twins, twin = _twin(cls, opt, params, kw) if opt.state else (None, None)
-            for p, g in zip(params, grads):
-                p.grad = g
-            opt.step()
-            if twin is None:  # the first step creates the state: compare from the second on
-                continue
-            for q, g in zip(twins, grads):
-                q.grad = g.float()
-            twin.step()
-            _assert_rounded(params, opt, twins, twin)
-            if policy != "off":
-                assert_resolution_matches(twin, opt, ema_rtol=0)
+            _step_against_twin(lambda ps: cls(ps, **kw), opt, params, [g.bfloat16() for g in _grads(t, gen)],
+                               counters=policy != "off")
     finally:
         torch.set_num_threads(before)
     if policy == "off":
@@ -250,35 +258,16 @@ def test_bf16_spectral_step_is_the_fp32_step_rounded(cls, policy):
     torch.manual_seed(0)
     params = [(0.1 * torch.randn(s)).bfloat16().requires_grad_() for s in SPECTRAL_SHAPES]
     kw = {"lr": 1e-2, "weight_decay": 0.1, "resolution": policy, "impl": "fused"}
-    opt = cls([{"params": params, "path": "spectral"}], **kw)
+    def make(ps):
+        return cls([{"params": ps, "path": "spectral"}], **kw)
+
+    opt = make(params)
     gen = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for t in range(6):
-            grads = _spectral_grads(t, gen)
-            twins = None
-            if opt.state:
-                twins = [p.detach().float().requires_grad_() for p in params]
-                twin = cls([{"params": twins, "path": "spectral"}], **kw)
-                twin.load_state_dict(copy.deepcopy(opt.state_dict()))
-            for p, g in zip(params, grads):
-                p.grad = g
-            opt.step()
-            if twins is None:
-                continue
-            for q, g in zip(twins, grads):
-                q.grad = g.float()
-            twin.step()
-            for p, q in zip(params, twins):
-                torch.testing.assert_close(p, q.bfloat16(), rtol=0, atol=0, equal_nan=True)
-                for key, val in opt.state[p].items():
-                    if torch.is_tensor(val):
-                        want = twin.state[q][key]
-                        want = want.to(val.dtype)
-                        torch.testing.assert_close(val, want, rtol=0, atol=0, equal_nan=True, msg=key)
-            if policy != "off":
-                assert_resolution_matches(twin, opt, ema_rtol=0)
+            _step_against_twin(make, opt, params, _spectral_grads(t, gen), counters=policy != "off")
     finally:
         torch.set_num_threads(before)
     if policy != "off":
