@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ import torch
 import nonans_optim as no
 from experiments.overhead_controls import spread, switched
 from experiments.questions_io import checkout_commit, fmt, publish, read_json
-from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
+from experiments.step_time import (ROOT, add_child_arguments, child_argv, inner_for, interleaved, machine_info,
+                                   run_child)
 
 __all__ = ["LAYOUTS", "page_view", "build", "run", "render", "main"]
 
@@ -92,9 +92,7 @@ def _measure(args) -> dict[str, Any]:
         for layout, offsets in LAYOUTS.items():
             opt = build(cls, n, offsets)
             arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair")}
-            start = time.perf_counter()
-            arms["off"]()
-            inner = max(1, round(args.sample_ms * 1e-3 / max(time.perf_counter() - start, 1e-9)))
+            inner = inner_for(arms["off"], args.sample_ms)
             t = interleaved(arms, rounds=args.rounds, warmup=args.warmup, inner=inner, device=torch.device("cpu"))
             rows.append({"optimizer": name, "layout": layout, "offsets": list(offsets), "inner": inner,
                          "off_ms": 1e3 * min(t["off"]), "repair_ms": 1e3 * min(t["repair"]),

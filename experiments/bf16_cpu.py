@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ import nonans_optim as no
 from experiments._models import QUICK, build_gpt, count_params, synthetic_grads
 from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import at_commit, fmt, publish
-from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
+from experiments.step_time import (ROOT, add_child_arguments, child_argv, inner_for, interleaved, machine_info,
+                                   run_child)
 
 __all__ = ["run", "render", "main", "JSON", "TITLE"]
 
@@ -73,11 +73,9 @@ def _owned(params: list[torch.nn.Parameter]) -> tuple[list, list]:
 
 
 def _inner(step, sample_ms: float) -> int:
-    """Steps per timed sample: enough for about ``sample_ms``, from one untimed and one timed call."""
+    """Steps per timed sample (:func:`experiments.step_time.inner_for`), after one untimed call."""
     step()
-    start = time.perf_counter()
-    step()
-    return max(1, round(sample_ms * 1e-3 / max(time.perf_counter() - start, 1e-9)))
+    return inner_for(step, sample_ms)
 
 
 def _measure(args) -> dict[str, Any]:

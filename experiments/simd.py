@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,8 @@ import nonans_optim as no
 from experiments.overhead_controls import over_builds, spread, switched
 from experiments.questions_io import at_commit, fmt, publish
 from experiments.render import SECTIONS
-from experiments.step_time import ROOT, add_child_arguments, child_argv, interleaved, machine_info, run_child
+from experiments.step_time import (ROOT, add_child_arguments, child_argv, inner_for, interleaved, machine_info,
+                                   run_child)
 
 __all__ = ["run", "render", "section", "main", "JSON"]
 
@@ -60,9 +60,7 @@ def _measure(args) -> dict[str, Any]:
             arms = {"off": switched(opt, "off"), "repair": switched(opt, "repair"), "aa": switched(opt, "off")}
             for arm in arms.values():
                 arm()
-            start = time.perf_counter()
-            arms["off"]()
-            inner = max(1, round(args.sample_ms * 1e-3 / max(time.perf_counter() - start, 1e-9)))
+            inner = inner_for(arms["off"], args.sample_ms)
             times = interleaved(arms, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
             row = {"optimizer": name, "entries": n, "inner": inner,
                    "off_ms": 1e3 * statistics.median(times["off"]),

@@ -92,6 +92,14 @@ def child_argv(args: argparse.Namespace) -> list[str]:
              str(args.sample_ms), "--threads", str(args.threads)] + (["--quick"] if args.quick else []))
 
 
+def inner_for(step: Callable[[], Any], sample_ms: float) -> int:
+    """Calls per timed sample of the child-process experiments: enough for about ``sample_ms``, from the time
+    of one call of ``step`` (made here)."""
+    start = time.perf_counter()
+    step()
+    return max(1, round(sample_ms * 1e-3 / max(time.perf_counter() - start, 1e-9)))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
