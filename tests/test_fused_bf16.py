@@ -11,6 +11,10 @@ the ground truth: the entry is a missing observation, or its parameter is kept, 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -184,6 +188,45 @@ def test_bf16_repair_equals_off_on_clean_steps(cls):
             if torch.is_tensor(val):
                 assert torch.equal(val, ob.state[q][key]), key
     assert not ob.events
+
+
+_NAN_STEP = r"""
+import json, torch
+import nonans_optim as no
+from nonans_optim import native
+out = {"simd_width": native.library().nonans_simd_width()}
+for cls in (no.AdamW, no.SFAdamW):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(256).bfloat16())
+    lr = torch.tensor(1e-3)  # a tensor lr is used as it is (torch.optim's convention): no validation
+    opt = cls([p], lr=lr, impl="fused")
+    p.grad = torch.randn(256).bfloat16()
+    opt.step()
+    before = p.detach().clone()
+    lr.copy_(torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)[0])
+    p.grad = torch.randn(256).bfloat16()
+    opt.step()
+    out[cls.__name__] = [bool(torch.equal(p, before)), [(e.stage, e.nan_count) for e in opt.events]]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("simd", ["auto", "portable"])
+def test_a_nan_step_size_whose_payload_would_round_to_zero(simd):
+    """A NaN step size with the payload 0x7FFFFFFF (a tensor lr) makes every new y (and z) a NaN with that
+    payload, which the tested path's NaN-free rounding carries into the sign bit: stored as -0 and counted
+    as nothing, where the gated loop keeps p and counts every entry. A non-finite hyperparameter sends the
+    block to the gated loop (scalar_bf16.h, finite_hyper_) — in the default build (scalar_avx512_bf16.h on
+    an AVX-512 CPU) and the portable one (scalar_bf16.h's tested groups)."""
+    env = {**os.environ, "NONANS_NATIVE_SIMD": simd}
+    proc = subprocess.run([sys.executable, "-c", _NAN_STEP], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert (out["simd_width"] == 0) == (simd == "portable")
+    for name, per_entry in (("AdamW", 1), ("SFAdamW", 2)):  # schedule-free: y and z
+        kept, events = out[name]
+        assert kept, name
+        assert events == [["update", 256 * per_entry]], (name, events)
 
 
 @settings(max_examples=20, deadline=None)

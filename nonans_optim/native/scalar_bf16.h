@@ -37,14 +37,29 @@ static inline uint16_t bf16_floor_bits_(float x) {
     return (uint16_t)(u >> 16);
 }
 
+/* Finite hyperparameters: where one is not (a tensor lr holding a NaN), the stock arithmetic's NaN carries
+ * its payload, and the NaN-free rounding of a tested group (f32_to_bf16_rne_) carries a payload whose top
+ * mantissa bits are all set into the sign bit — the input test passes (it bounds only the inputs) and a
+ * NaN y would be stored as -0 where the gated loop keeps p. NaNs from the arithmetic on finite values (the
+ * default NaN) and from bf16 inputs (low half 0) round to NaN. Such a block takes the gated loop; so does
+ * scalar_avx512_bf16.h's. Once per block. */
+static inline int finite_hyper_(float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h) {
+    const float x[] = {s, lr, wdf, lrc, bc1, bc2, h.one_m_b1, h.b2, h.one_m_b2, h.eps, h.wd, h.c, h.coef};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof x / sizeof x[0]; i++) ok &= finitef_(x[i]);
+    return ok;
+}
+
 /* update_block_t_(1, ...) for [b0, b1), same arguments, same bits, same counts. */
 static inline __attribute__((always_inline)) void update_block_bf16_(
         const int sf, const int gate, const int clean, const int decay_z,
         void *restrict p, const void *restrict g, void *restrict m, void *restrict v, void *restrict z,
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
-    const float lim = gate && !hold && !keep_all ? input_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f;
-    if (!(lim > 0.0f)) { /* "off", a tensor decided by its whole gradient (held, "skip"), or no bound (eps = 0) */
+    const float lim = gate && !hold && !keep_all && finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h)
+                          ? input_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f;
+    if (!(lim > 0.0f)) { /* "off", a tensor decided by its whole gradient (held, "skip"), a non-finite
+                          * hyperparameter, or no bound (eps = 0) */
         update_block_t_(1, sf, gate, clean, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
                         keep_all, c);
         return;
