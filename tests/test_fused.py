@@ -50,12 +50,12 @@ def _grads(step: int, gen, shapes=SHAPES):
 
 
 def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", clean: bool = False, shapes=SHAPES,
-         **kw):
+         dtype=torch.float32, **kw):
     """STEPS steps of the fault sequence (``clean``: the same random gradients without the faults) on
-    parameters of ``shapes`` on ``device`` (tests/test_kernels_scalar_step.py runs the Triton path through it,
-    on smaller shapes under the interpreter)."""
+    parameters of ``shapes`` and ``dtype`` on ``device`` (tests/test_kernels_scalar_step.py runs the Triton path
+    through it, on smaller shapes under the interpreter; tests/test_native_simd.py in bf16 too)."""
     torch.manual_seed(0)
-    params = [torch.randn(s, device=device, requires_grad=True) for s in shapes]
+    params = [torch.randn(s, device=device).to(dtype).requires_grad_() for s in shapes]
     # the spike guard is opt-in on AdamW/SFAdamW: on here unless a case says otherwise, so the fault
     # sequence's finite spike (step 5) exercises the pre-pass
     opt = cls(params, resolution=policy, impl=impl, **{"lr": 1e-2, "weight_decay": 0.1, "spike_factor": 10.0, **kw})
@@ -66,7 +66,7 @@ def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", cle
         for t in range(STEPS):
             grads = [torch.randn(s, generator=gen) for s in shapes] if clean else _grads(t, gen, shapes)
             for p, g in zip(params, grads):
-                p.grad = g.to(device)
+                p.grad = g.to(device, dtype)
             opt.step()
     finally:
         torch.set_num_threads(before)

@@ -5,7 +5,8 @@ buffer and event count must be bit-identical — over test_fused.py's fault sequ
 overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
 on and off, one and two threads, both branches of the lerp formula; over test_fused_spectral.py's for
 SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that overflow to ±Inf and NaN inside
-the step (the update stage's NaN/Inf split). test_fused.py and test_fused_spectral.py already compare each
+the step (the update stage's NaN/Inf split); the (SF-)AdamW runs in bf16 as well (scalar_avx512_bf16.h
+against the portable scalar_bf16.h). test_fused.py and test_fused_spectral.py already compare each
 build with impl="loop" within tolerances; this pins down that the fast paths changed nothing.
 
 Each build runs in its own subprocess (the library is loaded once per process) and saves its results. The
@@ -45,12 +46,11 @@ from nonans_optim import native
 from test_fused import _run
 from test_fused_spectral import _run as spectral_run
 
-def overflow_run(cls, policy):
+def overflow_run(cls, policy, dtype=torch.float32):
     # Parameters near the fp32 limit and a huge step size: the new y (and z) overflow to ±Inf, and
     # Inf - Inf makes NaN, inside the step with finite gradients — the update stage's NaN/Inf split.
     torch.manual_seed(3)
-    params = [torch.randn(1000, requires_grad=True), torch.randn(37, requires_grad=True),
-              torch.randn(40, 30, requires_grad=True)]
+    params = [torch.randn(s).to(dtype).requires_grad_() for s in ((1000,), (37,), (40, 30))]
     with torch.no_grad():
         for p in (params[0], params[2].view(-1)):
             p[::7] = 3.3e38
@@ -59,26 +59,26 @@ def overflow_run(cls, policy):
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
         opt.step()
     return params, opt
 
-def v_only_run(cls, n, pos):
+def v_only_run(cls, n, pos, dtype=torch.float32):
     # A finite gradient entry whose square overflows: only its new v is non-finite (d = m / Inf = 0 leaves
     # y and z finite), the one value the AVX-512 loop's test (vcheck_'s v·y + z) sees through a product —
     # in a four-vector step of the clean loop (n = 256) and in a partial last vector (n = 17).
     torch.manual_seed(6)
-    p = torch.randn(n, requires_grad=True)
+    p = torch.randn(n).to(dtype).requires_grad_()
     opt = getattr(no, cls)([p], lr=1e-3, resolution="repair", impl="fused", spike_factor=None)
     for step in range(3):
-        p.grad = torch.randn(n) * 1e-3
+        p.grad = (torch.randn(n) * 1e-3).to(dtype)
         if step == 1:
             p.grad[pos] = 1e30
         opt.step()
     assert opt.state_dict()["state"][0]["exp_avg_sq"].isfinite().all()
     return [p], opt
 
-def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
+def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, dtype=torch.float32, **kw):
     # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
     # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
     # AVX2 loop's early test (input_limit_ in scalar_avx2.h, at most clean_limit_ in scalar_step.c, which
@@ -97,10 +97,10 @@ def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
         sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
         return sign * 10.0 ** (lo + (hi - lo) * torch.rand(n, generator=gen))
 
-    params = [spread(40_000, hi=top).requires_grad_(), spread(999, hi=top).requires_grad_()]
+    params = [spread(n, hi=top).to(dtype).requires_grad_() for n in (40_000, 999)]
     opt = getattr(no, cls)(params, lr=lr, eps=eps, resolution="repair", impl="fused", spike_factor=None, **kw)
     for p in params:
-        p.grad = spread(p.numel()).clamp(-1e19, 1e19)
+        p.grad = spread(p.numel()).clamp(-1e19, 1e19).to(dtype)
     opt.step()
     beta2 = opt.param_groups[0]["betas"][1]
     b2, one_m_b2 = torch.tensor(beta2), torch.tensor(1 - beta2)  # as the kernel rounds them: fp32
@@ -110,7 +110,8 @@ def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, **kw):
         st["z" if cls == "SFAdamW" else "exp_avg"].copy_(spread(p.numel(), hi=top))
     for _ in range(2):
         for p in params:
-            g = p.grad = spread(p.numel(), hi=top_grad)
+            g = spread(p.numel(), hi=top_grad)
+            p.grad = g.to(dtype)
             v = opt.state[p]["exp_avg_sq"]
             cancel = torch.zeros_like(v) if zero_v else -((one_m_b2 * g) * g) / b2
             v.copy_(torch.where((torch.rand(v.shape, generator=gen) < 0.25) & cancel.isfinite(), cancel, v))
@@ -126,14 +127,21 @@ for cls in ("AdamW", "SFAdamW"):
             (1e6, 1e-8, 20.0, 19.0, {"betas": (0.9, 0.5)}), (1e-3, 1e-8, 38.5, 19.0, {"betas": (0.3, 0.99)}),
             (1.0, 1e-30, 8.0, 6.0, {"weight_decay": 0.5, "betas": (0.9, 0.5), "zero_v": True}),
             (1e-3, 0.0, 38.5, 19.0, {}))):  # eps = 0: no bound (clean_limit_ is 0), AVX2's late test decides
-        params, opt = magnitude_run(cls, lr, eps, top, top_grad, **kw)
-        out[(cls, "magnitude", i)] = (params, opt.state_dict())
+        for dtype in (torch.float32, torch.bfloat16):
+            params, opt = magnitude_run(cls, lr, eps, top, top_grad, dtype=dtype, **kw)
+            out[(cls, "magnitude", i, str(dtype))] = (params, opt.state_dict())
     for n, pos in ((256, 5), (256, 63), (17, 16)):
-        params, opt = v_only_run(cls, n, pos)
-        out[(cls, "v_only", n, pos)] = (params, opt.state_dict())
+        for dtype in (torch.float32, torch.bfloat16):
+            params, opt = v_only_run(cls, n, pos, dtype)
+            out[(cls, "v_only", n, pos, str(dtype))] = (params, opt.state_dict())
 for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
     params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, **kw)
     out[i] = (params, opt.state_dict())
+    if not kw:  # bf16 (scalar_avx512_bf16.h in an AVX-512 build), with and without the guard
+        for factor in (10.0, None):
+            params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, dtype=torch.bfloat16,
+                               spike_factor=factor)
+            out[(i, "bf16", factor)] = (params, opt.state_dict())
 for cls in ("SFNorMuon", "Muon", "FullFusion"):
     for threads in (1, 2):
         params, opt = spectral_run(cls=getattr(no, cls), threads=threads)
@@ -144,6 +152,9 @@ for cls in ("AdamW", "SFAdamW", "SFNorMuon", "Muon"):
     for policy in ("repair", "off"):
         params, opt = overflow_run(cls, policy)
         out[(cls, policy)] = (params, opt.state_dict())
+        if cls in ("AdamW", "SFAdamW"):
+            params, opt = overflow_run(cls, policy, torch.bfloat16)
+            out[(cls, policy, "bf16")] = (params, opt.state_dict())
 torch.save(out, sys.argv[1])
 """
 
@@ -187,7 +198,7 @@ def test_simd_build_writes_the_portable_bits(tmp_path, simd, width):
             assert a[name].dtype == b[name].dtype, (key, name)
             assert torch.equal(_bits(a[name]), _bits(b[name])), (key, name)
             compared += 1
-        if isinstance(key, tuple) and key[1:] == ("repair",):  # the overflow runs really overflowed
+        if isinstance(key, tuple) and key[1:] in (("repair",), ("repair", "bf16")):  # the overflow runs overflowed
             counts = global_entry(fast[key][1])[1]["resolution"]["counts"]
             assert counts[:, 3].sum() > 0, key
             update_events += int(counts[:, 3].sum())

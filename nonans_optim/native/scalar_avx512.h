@@ -249,17 +249,23 @@ static inline __attribute__((always_inline)) void vec_loop_(
         vec_update_(sf, gate, decay_z, 0, exact, vlanes_(b1 - j), p, g, m, v, z, j, &k, hold, skip_all, vb, un, ub);
 }
 
+/* The 16-lane constants of one block's arithmetic (and of scalar_avx512_bf16.h's). */
+static inline vhyper_t vhyper_make_(float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h) {
+    const vhyper_t k = {
+        _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
+        _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
+        fabsf(h.one_m_b1) < 0.5f,
+        vparam_make_(lr, lrc, wdf, h.wd, h.c)};
+    return k;
+}
+
 /* update_block (scalar_step.c) for [b0, b1), same arguments and counts. */
 static inline __attribute__((always_inline)) void update_block_avx512(
         const int sf, const int gate, const int clean, const int decay_z,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
-    const vhyper_t k = {
-        _mm512_set1_ps(s), _mm512_set1_ps(h.one_m_b2), _mm512_set1_ps(h.b2), _mm512_set1_ps(h.one_m_b1),
-        _mm512_set1_ps(1.0f - h.one_m_b1), _mm512_set1_ps(bc1), _mm512_set1_ps(bc2), _mm512_set1_ps(h.eps),
-        fabsf(h.one_m_b1) < 0.5f,
-        vparam_make_(lr, lrc, wdf, h.wd, h.c)};
+    const vhyper_t k = vhyper_make_(s, lr, wdf, lrc, bc1, bc2, h);
     const int skip_all = !clean && keep_all;
     int64_t vb = 0, un = 0, ub = 0;
     const int small = sf ? k.u.small_c : k.small_w;

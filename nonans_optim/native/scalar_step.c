@@ -237,12 +237,16 @@ static inline __attribute__((always_inline)) void update_block(
 
 #include "scalar_avx2.h" /* after update_block, which its rare paths call */
 #include "scalar_bf16.h" /* after update_block_t_, which it runs */
+#include "scalar_avx512_bf16.h" /* after both: the portable bf16 loop is its exact path */
 #if defined(NONANS_AVX512)
 #define UPDATE_BLOCK update_block_avx512
+#define UPDATE_BLOCK_BF16 update_block_bf16_avx512
 #elif defined(NONANS_AVX2)
 #define UPDATE_BLOCK update_block_avx2
+#define UPDATE_BLOCK_BF16 update_block_bf16_
 #else
 #define UPDATE_BLOCK update_block
+#define UPDATE_BLOCK_BF16 update_block_bf16_
 #endif
 
 /* The vector width in bits of the (SF-)AdamW loop compiled in: 512 (scalar_avx512.h), 256 (scalar_avx2.h),
@@ -271,7 +275,7 @@ static inline __attribute__((always_inline)) void update_range(
         const int64_t b1 = b0 + BLOCK < hi ? b0 + BLOCK : hi;
         const int clean = gate && bad != NULL && bad[b0 / BLOCK] == 0 && !hold && !keep_all;
         if (bf) /* one variant: "clean" only spares the exact path, which a clean bf16 group rarely takes */
-            update_block_bf16_(sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
+            UPDATE_BLOCK_BF16(sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
                                keep_all, tot);
         else if (clean)
             UPDATE_BLOCK(sf, gate, 1, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, tot);
