@@ -6,7 +6,9 @@ Why it exists: every other CPU table times fp32 tensors. A model cast to bf16 (`
 common way to train on a CPU, and until 2026-11-26 ``impl="auto"`` sent such a group to the eager foreach
 step — 17x torch's fused AdamW on the default GPT, "repair" 4.4x "off" there (a scratch script that day;
 this command's "before" row measures that path as it is). The native loop now widens bf16 entries to fp32,
-steps them in fp32 and rounds each result once as it stores it (``nonans_optim/native/scalar_bf16.h``); so do
+steps them in fp32 and rounds each result once as it stores it (``nonans_optim/native/scalar_bf16.h``, and
+``scalar_avx512_bf16.h`` on an AVX-512 CPU: this command measured "repair" at 1.06x "off" on commit 626c3b5,
+before that form, with scalar_bf16.h's input test; RESULTS.md as published then); so do
 the spectral loops for SF-NorMuon's and Muon's bf16 matrices, which ran foreach at 4.1-4.4x their fp32 step
 (this command before they did). The spectral rows time each spectral optimizer on the model in bf16 and fp32.
 
