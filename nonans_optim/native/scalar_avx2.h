@@ -35,19 +35,19 @@ static inline __attribute__((always_inline)) __m256 y8lerp_(__m256 a, __m256 b, 
     return small ? _mm256_add_ps(a, _mm256_mul_ps(w, diff)) : _mm256_sub_ps(b, _mm256_mul_ps(diff, one_m_w));
 }
 
-/* The stock arithmetic of one vector at entry j (update_block with gate = 0): the values it stores. */
+/* The stock arithmetic of one vector (update_block with gate = 0): the values it stores. */
 typedef struct {
     __m256 vn, st_new, y; /* st: z (schedule-free) or m (AdamW) */
 } y8val_t;
 
-static inline __attribute__((always_inline)) y8val_t y8stock_(
-        const int sf, const int decay_z, const int small, const float *restrict p, const float *restrict g,
-        const float *restrict m, const float *restrict v, const float *restrict z, int64_t j, const y8hyper_t *k) {
+/* From the loaded inputs (scalar_avx2_bf16.h widens bf16 ones); y8stock_ loads them at entry j. */
+static inline __attribute__((always_inline)) y8val_t y8arith_(const int sf, const int decay_z, const int small,
+                                                              __m256 gr, __m256 po, __m256 st, __m256 vo,
+                                                              const y8hyper_t *k) {
     y8val_t x;
-    const __m256 po = _mm256_loadu_ps(p + j), st = _mm256_loadu_ps(sf ? z + j : m + j);
-    const __m256 gs = _mm256_mul_ps(_mm256_loadu_ps(g + j), k->s);
+    const __m256 gs = _mm256_mul_ps(gr, k->s);
     const __m256 g2 = _mm256_mul_ps(_mm256_mul_ps(k->one_m_b2, gs), gs);
-    x.vn = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + j), k->b2), g2);
+    x.vn = _mm256_add_ps(_mm256_mul_ps(vo, k->b2), g2);
     const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_div_ps(x.vn, k->bc2)), k->eps);
     if (sf) {
         __m256 d = _mm256_div_ps(gs, denom);
@@ -60,6 +60,13 @@ static inline __attribute__((always_inline)) y8val_t y8stock_(
         x.y = _mm256_sub_ps(_mm256_mul_ps(po, k->wdf), _mm256_mul_ps(k->lr, d));
     }
     return x;
+}
+
+static inline __attribute__((always_inline)) y8val_t y8stock_(
+        const int sf, const int decay_z, const int small, const float *restrict p, const float *restrict g,
+        const float *restrict m, const float *restrict v, const float *restrict z, int64_t j, const y8hyper_t *k) {
+    return y8arith_(sf, decay_z, small, _mm256_loadu_ps(g + j), _mm256_loadu_ps(p + j),
+                    _mm256_loadu_ps(sf ? z + j : m + j), _mm256_loadu_ps(v + j), k);
 }
 
 static inline __attribute__((always_inline)) void y8store_(const int sf, float *restrict p, float *restrict m,
@@ -131,6 +138,16 @@ static inline __attribute__((always_inline)) int64_t y8_loop_(
     return j;
 }
 
+/* The 8-lane constants of one block's arithmetic (and of scalar_avx2_bf16.h's). */
+static inline y8hyper_t y8hyper_make_(float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h) {
+    const y8hyper_t k = {
+        _mm256_set1_ps(s), _mm256_set1_ps(h.b2), _mm256_set1_ps(h.one_m_b2), _mm256_set1_ps(h.one_m_b1),
+        _mm256_set1_ps(1.0f - h.one_m_b1), _mm256_set1_ps(bc1), _mm256_set1_ps(bc2), _mm256_set1_ps(h.eps),
+        _mm256_set1_ps(lr), _mm256_set1_ps(lrc), _mm256_set1_ps(wdf), _mm256_set1_ps(h.wd), _mm256_set1_ps(h.c),
+        _mm256_set1_ps(1.0f - h.c)};
+    return k;
+}
+
 /* update_block (scalar_step.c) for [b0, b1), same arguments and counts. Under a gate with a bound, each
  * group of 32 entries is tested on its inputs (input_limit_) and then computed and stored vector by vector,
  * or, when it fails, computed by the portable gated loop; without a bound (eps = 0), each vector's new v,
@@ -146,11 +163,7 @@ static inline __attribute__((always_inline)) void update_block_avx2(
                      keep_all, c);
         return;
     }
-    const y8hyper_t k = {
-        _mm256_set1_ps(s), _mm256_set1_ps(h.b2), _mm256_set1_ps(h.one_m_b2), _mm256_set1_ps(h.one_m_b1),
-        _mm256_set1_ps(1.0f - h.one_m_b1), _mm256_set1_ps(bc1), _mm256_set1_ps(bc2), _mm256_set1_ps(h.eps),
-        _mm256_set1_ps(lr), _mm256_set1_ps(lrc), _mm256_set1_ps(wdf), _mm256_set1_ps(h.wd), _mm256_set1_ps(h.c),
-        _mm256_set1_ps(1.0f - h.c)};
+    const y8hyper_t k = y8hyper_make_(s, lr, wdf, lrc, bc1, bc2, h);
     const float lim = gate ? input_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f;
     const int small = fabsf(sf ? h.c : h.one_m_b1) < 0.5f, early = lim > 0.0f;
 #define Y8_LOOP_(small_, early_) y8_loop_(sf, gate, decay_z, small_, early_, p, g, m, v, z, b0, b1, s, lr, wdf, \

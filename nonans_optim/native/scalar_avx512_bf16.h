@@ -12,9 +12,9 @@
  *    elementwise, so it runs on the two halves as they are (scalar_avx512.h's arith_, op for op the
  *    portable entry_), and the two rounded halves pack back with one shift and one ternary-logic op.
  *  - Rounding is the portable f32_to_bf16_rne_ (round to nearest even, denormals kept), on 16 lanes: torch's
- *    bits. "off" then writes 0x7FC0 for a NaN, as f32_to_bf16_ does; AVX512-BF16's VCVTNEPS2BF16 would round
- *    in one instruction but flushes denormals (Intel SDM), so it would not write torch's bits.
- *  - The test of the gated loop reads the *rounded* values: the 32-bit sum that rounds (x + 0x7FFF + lsb)
+ *    bits. AVX512-BF16's VCVTNEPS2BF16 would round in one instruction but flushes denormals (Intel SDM), so
+ *    it would not write torch's bits.
+ *  - The test reads the *rounded* values: the 32-bit sum that rounds (x + 0x7FFF + lsb)
  *    holds the bf16 result in its high half, exponent included, so read as an fp32 number it is NaN or ±Inf
  *    exactly where the stored bf16 value is — a finite fp32 value that rounds to bf16's Inf too, which is
  *    what "finite as stored" (storable_) means. So scalar_avx512.h's vcheck_ applies as it is: v·y + z (or
@@ -22,12 +22,15 @@
  *    sum carries into the sign bit only for a NaN whose mantissa's top eight bits are all set and whose low
  *    half is at least 0x8000; every NaN here is the default NaN (0xFFC00000) or one propagated from a bf16
  *    input (low half 0), so none does, as long as the hyperparameters are finite: a block with a non-finite
- *    one takes the gated portable loop (scalar_bf16.h's finite_hyper_).
+ *    one takes the portable loop (scalar_bf16.h's finite_hyper_), under either policy.
  *
  * As scalar_avx512.h's vec_quad_: four vectors of fp32 arithmetic per step (here two 32-entry loads per
  * array), every load of the step before its first store (4K aliasing), the stores before the test (a clean
- * step never fails it), and a failing step puts its loaded bits back and is computed again by the gated
- * portable loop (update_block_t_), which decides and counts per entry. A held or "skip" tensor and a tail
+ * step never fails it), and a failing step puts its loaded bits back and is computed again by the portable
+ * loop (update_block_t_): the gated one, which decides and counts per entry, or "off"'s, which writes
+ * torch's NaN (0x7FC0) where a value is NaN and stores what overflowed. "off" tests as "repair" does rather
+ * than write that NaN in the vector loop, so the two policies run one loop and store the same clean bits
+ * (scalar_avx2_bf16.h measured why). A held or "skip" tensor and a tail
  * shorter than a step go to the portable loop, which writes the same bits (tests/test_native_simd.py
  * compares the builds in bf16 too). */
 #ifndef NONANS_SCALAR_AVX512_BF16_H
@@ -46,13 +49,11 @@ static inline __attribute__((always_inline)) __m512 bf_hi_(__m512i x) {
 }
 
 /* x rounded to bf16 in the high half of each lane (the low half is left over from the rounding sum):
- * f32_to_bf16_rne_ before its shift. nan_fix: a NaN lane becomes 0x7FC0, as f32_to_bf16_ writes it. */
-static inline __attribute__((always_inline)) __m512i bf_round_(__m512 x, const int nan_fix) {
+ * f32_to_bf16_rne_ before its shift. */
+static inline __attribute__((always_inline)) __m512i bf_round_(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    if (!nan_fix) return r;
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
 }
 
 /* The 32 bf16 values of two rounded halves, back in entry order. */
@@ -61,28 +62,23 @@ static inline __attribute__((always_inline)) __m512i bf_pack_(__m512i lo, __m512
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(lo, 16), hi, _mm512_set1_epi32((int)0xFFFF0000u), 0xF8);
 }
 
-/* A step that failed its test: its loaded bits put back, then the gated portable loop on it. Out of line
- * and cold, so that the hot loop keeps no registers for it. */
+/* A step that failed its test: its loaded bits put back, then the portable loop on it (gated, or "off"'s;
+ * the flags at run time: this path is rare). Out of line and cold, so that the hot loop keeps no
+ * registers for it. */
 static __attribute__((noinline, cold)) void bf_step_exact_(
-        const int sf, const int decay_z, void *restrict p, const void *restrict g, void *restrict m,
-        void *restrict v, void *restrict z, int64_t j, const __m512i *raw, float s, float lr, float wdf,
-        float lrc, float bc1, float bc2, const hyper_t h, int64_t *c) {
+        const int sf, const int gate, const int decay_z, void *restrict p, const void *restrict g,
+        void *restrict m, void *restrict v, void *restrict z, int64_t j, const __m512i *raw, float s, float lr,
+        float wdf, float lrc, float bc1, float bc2, const hyper_t h, int64_t *c) {
     uint16_t *const P = (uint16_t *)p, *const V = (uint16_t *)v, *const S = (uint16_t *)(sf ? z : m);
     for (int q = 0; q < 2; q++) {
         _mm512_storeu_si512(P + j + 32 * q, raw[3 * q]);
         _mm512_storeu_si512(V + j + 32 * q, raw[3 * q + 1]);
         _mm512_storeu_si512(S + j + 32 * q, raw[3 * q + 2]);
     }
-    if (sf) {
-        if (decay_z)
-            update_block_t_(1, 1, 1, 0, 1, p, g, m, v, z, j, j + BF_STEP_, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
-        else update_block_t_(1, 1, 1, 0, 0, p, g, m, v, z, j, j + BF_STEP_, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
-    } else {
-        update_block_t_(1, 0, 1, 0, 0, p, g, m, v, z, j, j + BF_STEP_, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
-    }
+    update_block_t_(1, sf, gate, 0, decay_z, p, g, m, v, z, j, j + BF_STEP_, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
 }
 
-/* One step of 64 entries at j ("off": gate 0; the clean gated loop: gate 1). */
+/* One step of 64 entries at j (gate: "repair" or "skip" on a tensor decided entry by entry; 0: "off"). */
 static inline __attribute__((always_inline)) void bf_step_(
         const int sf, const int gate, const int decay_z, void *restrict p, const void *restrict g,
         void *restrict m, void *restrict v, void *restrict z, int64_t j, const vhyper_t *k, float s, float lr,
@@ -107,21 +103,19 @@ static inline __attribute__((always_inline)) void bf_step_(
             __m512 vn, mn, y, zn = sf ? so : _mm512_setzero_ps();
             arith_(sf, decay_z, 0, _mm512_mul_ps(gr, k->s), vo, sf ? _mm512_setzero_ps() : so, po,
                    sf ? so : _mm512_setzero_ps(), 0, (__mmask16)0xFFFF, k, &vn, &mn, &y, &zn, &unused);
-            out[half][0] = bf_round_(y, !gate);
-            out[half][1] = bf_round_(vn, !gate);
-            out[half][2] = bf_round_(sf ? zn : mn, !gate);
-            if (gate)
-                check[2 * q + half] = vcheck_(1, _mm512_castsi512_ps(out[half][1]), _mm512_castsi512_ps(out[half][0]),
-                                              _mm512_castsi512_ps(out[half][2]), _mm512_setzero_ps());
+            out[half][0] = bf_round_(y);
+            out[half][1] = bf_round_(vn);
+            out[half][2] = bf_round_(sf ? zn : mn);
+            check[2 * q + half] = vcheck_(1, _mm512_castsi512_ps(out[half][1]), _mm512_castsi512_ps(out[half][0]),
+                                          _mm512_castsi512_ps(out[half][2]), _mm512_setzero_ps());
         }
         _mm512_storeu_si512(P + j + 32 * q, bf_pack_(out[0][0], out[1][0]));
         _mm512_storeu_si512(V + j + 32 * q, bf_pack_(out[0][1], out[1][1]));
         _mm512_storeu_si512(S + j + 32 * q, bf_pack_(out[0][2], out[1][2]));
     }
-    if (!gate) return;
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(check[0], check[1]), _mm512_add_ps(check[2], check[3]));
     if (__builtin_expect(_mm512_fpclass_ps_mask(sum, NONFINITE_) != 0, 0))
-        bf_step_exact_(sf, decay_z, p, g, m, v, z, j, raw, s, lr, wdf, lrc, bc1, bc2, h, c);
+        bf_step_exact_(sf, gate, decay_z, p, g, m, v, z, j, raw, s, lr, wdf, lrc, bc1, bc2, h, c);
 }
 
 static inline __attribute__((always_inline)) void bf_loop_(
@@ -141,9 +135,9 @@ static inline __attribute__((always_inline)) void update_block_bf16_avx512(
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
     (void)clean;
-    if (gate && (hold || keep_all || !finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h))) { /* as scalar_bf16.h */
-        update_block_t_(1, sf, 1, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold, keep_all,
-                        c);
+    if ((gate && (hold || keep_all)) || !finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h)) { /* "off" too: the test */
+        update_block_t_(1, sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
+                        keep_all, c);
         return;
     }
     const vhyper_t k = vhyper_make_(s, lr, wdf, lrc, bc1, bc2, h);

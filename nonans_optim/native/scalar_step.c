@@ -237,13 +237,14 @@ static inline __attribute__((always_inline)) void update_block(
 
 #include "scalar_avx2.h" /* after update_block, which its rare paths call */
 #include "scalar_bf16.h" /* after update_block_t_, which it runs */
-#include "scalar_avx512_bf16.h" /* after both: the portable bf16 loop is its exact path */
+#include "scalar_avx512_bf16.h" /* after both: the portable bf16 loop is the exact path of these two */
+#include "scalar_avx2_bf16.h"
 #if defined(NONANS_AVX512)
 #define UPDATE_BLOCK update_block_avx512
 #define UPDATE_BLOCK_BF16 update_block_bf16_avx512
 #elif defined(NONANS_AVX2)
 #define UPDATE_BLOCK update_block_avx2
-#define UPDATE_BLOCK_BF16 update_block_bf16_
+#define UPDATE_BLOCK_BF16 update_block_bf16_avx2
 #else
 #define UPDATE_BLOCK update_block
 #define UPDATE_BLOCK_BF16 update_block_bf16_
