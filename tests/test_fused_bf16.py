@@ -298,12 +298,18 @@ def _spectral_grads(t: int, gen) -> list[torch.Tensor]:
     return [g.bfloat16() for g in gs]
 
 
+def _mona_fusion(params, **kw):
+    """FullFusion without KL-Shampoo: MONA, NorMuon and schedule-free around NS5."""
+    return no.Fusion(params, components=("ns5", "mona", "normuon", "sf"), **kw)
+
+
 @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
-@pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon], ids=["SFNorMuon", "Muon"])
+@pytest.mark.parametrize("cls", [no.SFNorMuon, no.Muon, _mona_fusion], ids=["SFNorMuon", "Muon", "MONA"])
 def test_bf16_spectral_step_is_the_fp32_step_rounded(cls, policy):
-    """The spectral loops on bf16 matrices (SF-NorMuon, Muon: no MONA, no KL-Shampoo): each step writes what
-    an fp32 twin's step on the widened values writes, rounded to bf16, bit for bit — the momentum buffer
-    (bf16 in both: the hot dtype's), NorMuon's fp32 row moment, z — with the same events."""
+    """The spectral loops on bf16 matrices (SF-NorMuon, Muon, and MONA without KL-Shampoo, which reads the
+    gradient in torch): each step writes what an fp32 twin's step on the widened values writes, rounded to
+    bf16, bit for bit — the momentum buffer (bf16 in both: the hot dtype's), NorMuon's fp32 row moment, z,
+    MONA's buffers (bf16: the parameter's dtype) — with the same events."""
     torch.manual_seed(0)
     params = [(0.1 * torch.randn(s)).bfloat16().requires_grad_() for s in SPECTRAL_SHAPES]
     kw = {"lr": 1e-2, "weight_decay": 0.1, "resolution": policy, "impl": "fused"}
@@ -322,6 +328,70 @@ def test_bf16_spectral_step_is_the_fp32_step_rounded(cls, policy):
     if policy != "off":
         assert all(torch.isfinite(p).all() for p in params)
         assert {"grad", "spike"} <= {e[2] for e in event_tuples(opt)}
+
+
+@pytest.mark.parametrize("policy", ["repair", "skip"])
+def test_bf16_fullfusion_follows_the_loop(policy):
+    """FullFusion on bf16 matrices in the native loops, KL-Shampoo included (the loop's torch functions, fed
+    the bf16 gradient as impl="loop" feeds them; so no fp32 twin is bit-exact here): through the spectral
+    fault sequence, the same events as impl="loop" in bf16, finite parameters and state, and parameters
+    within 2% of the loop's (the loop rounds every op to bf16; they differed by about 0.5% on 2026-11-27)."""
+    runs = []
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        params = [(0.1 * torch.randn(s)).bfloat16().requires_grad_() for s in SPECTRAL_SHAPES]
+        opt = no.FullFusion([{"params": params, "path": "spectral"}], lr=1e-2, weight_decay=0.1,
+                            resolution=policy, impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(6):
+            for p, g in zip(params, _spectral_grads(t, gen)):
+                p.grad = g
+            opt.step()
+        runs.append((params, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    assert event_tuples(got_opt) == event_tuples(ref_opt) and {"grad", "spike"} <= {e[2] for e in
+                                                                                     event_tuples(got_opt)}
+    for p, q in zip(got, ref):
+        assert all(torch.isfinite(v).all() for v in [p, *got_opt.state[p].values()] if torch.is_tensor(v))
+        assert (p.float() - q.float()).norm() <= 2e-2 * q.float().norm()
+        assert got_opt.state[p]["mona_diff_avg"].dtype == torch.bfloat16
+
+
+def _mona_window_run(impl: str, comps: tuple[str, ...]):
+    """MONA's average A driven into bf16's window by one entry, with nothing else there out of range: A and
+    G_prev at ±bf16's largest value, β = 0 (the new A is G - G_prev = 1e36 + 3.3895e38, finite in fp32 and
+    Inf in bf16), α = 0 and an old momentum buffer of -g with μ = 0.5, so that the entry's M is exactly 0:
+    no square overflows, which is what else sends a row to the gated arithmetic (spectral_pre.c's row_msq_).
+    With KL-Shampoo, pass 3 speculates the row and tests it (row_check_)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((0.1 * torch.randn(16, 24)).bfloat16())
+    opt = no.Fusion([{"params": [p], "path": "spectral"}], components=comps, momentum=0.5, nesterov=False,
+                    impl=impl, mona_alpha=0.0, mona_beta=0.0, spike_factor=None)
+    p.grad = torch.randn(16, 24).bfloat16()
+    opt.step()
+    g = torch.randn(16, 24).bfloat16()
+    g[0, 0] = 1e36
+    st = opt.state[p]
+    with torch.no_grad():
+        st["mona_diff_avg"][0, 0], st["mona_prev_grad"][0, 0] = BF16_MAX, -BF16_MAX
+        st["momentum_buffer"][0, 0] = -g[0, 0]
+    p.grad = g
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("comps", [("ns5", "mona"), ("ns5", "mona", "shampoo")], ids=["MONA", "MONA+KL"])
+def test_a_mona_average_that_is_inf_in_bf16_is_kept(comps):
+    """A new MONA average finite in fp32 and Inf as stored in bf16 is a missing observation, as in the loop
+    (which computes it in bf16): A keeps its value and the moment stage counts the entry (KL-Shampoo's
+    factor, fed g = 1e36, also records a direction event: the same in both)."""
+    runs = [_mona_window_run(impl, comps) for impl in ("loop", "fused")]
+    for p, opt in runs:
+        st = opt.state[p]
+        assert st["mona_diff_avg"][0, 0] == BF16_MAX
+        assert all(torch.isfinite(v).all() for v in st.values() if torch.is_tensor(v))
+        assert ("moment", 0, 1) in [(e.stage, e.param, e.inf_count) for e in opt.events]
+    assert event_tuples(runs[0][1]) == event_tuples(runs[1][1])
 
 
 def _spectral_window_run(cls, impl: str, dtype, sign: float, lr: float):

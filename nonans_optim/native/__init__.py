@@ -151,7 +151,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     f.restype = ctypes.c_int
     pre, post = lib.nonans_spectral_pre, lib.nonans_spectral_post
     pre.argtypes = [i64, pp, pp, i32, pp, i32, ptr, ptr, pp, ptr, i32, pp, pp, ptr, i32, i32, f32, f32, f32,
-                    ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32]
+                    ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
     post.argtypes = [i64, pp, i32, pp, pp, pp, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, ptr, ptr,
                      ptr, i32, i32]
     pre.restype = post.restype = ctypes.c_int

@@ -1,7 +1,7 @@
 /* The elementwise work around NS5 on the spectral path (NS5 + optional NorMuon + optional schedule-free),
- * for contiguous fp32 CPU parameters and gradients, or bf16 ones without MONA (a bf16 gradient row is
- * widened before each pass reads it; spectral_post.c rounds a bf16 parameter's rows once); the momentum
- * buffer is fp32 or bf16.
+ * for contiguous fp32 or bf16 CPU parameters and gradients (a bf16 gradient row is widened before each pass
+ * reads it, as are bf16 MONA rows, which pass 3 rounds once as it stores them; spectral_post.c rounds a bf16
+ * parameter's rows once); the momentum buffer is fp32 or bf16.
  *
  * Ground truth: nonans_optim/optimizers/_spectral.py (impl="loop"). The arithmetic is that of
  * optimizers/_compiled_spectral.py (_pre and _post) written as row loops: inductor (torch 2.13, CPU) ran
@@ -35,10 +35,12 @@ enum { NPRE = 3 };   /* per tensor and thread, pre: grad nan, grad non-finite, m
  * overflow there). post only asks "nonzero?". */
 enum { ROW_SPEC = 2, ROW_GATED = 3 };
 
-/* MONA's constants (alpha, 1-beta) and whether this is the tensor's first step (G_prev starts as G). */
+/* MONA's constants (alpha, 1-beta), whether this is the tensor's first step (G_prev starts as G), and abf:
+ * the buffers are bf16 under a gate — A is kept where its new value is not finite *as stored* (storable_),
+ * and the ungated sums of passes 1 and 2 test A too (row_msq_). */
 typedef struct {
     float alpha, one_m_beta;
-    int first;
+    int first, abf;
 } mona_t;
 
 /* One entry of the momentum side: the gate, MONA (when mona: G̃ = G + α·A with A ← lerp(A, G - G_prev,
@@ -57,7 +59,7 @@ static inline __attribute__((always_inline)) float momentum_entry_(
     if (mona) {
         const float prev = mo.first ? (gate ? (ok ? G : 0.0f) : G) : po;
         const float na = lerpf_(ao, G - prev, mo.one_m_beta);
-        const int keep_na = ok & finitef_(na);
+        const int keep_na = ok & storable_(na, mo.abf);
         over = ok & !keep_na;
         *an = gate ? (keep_na ? na : ao) : na;
         *pn = gate ? (ok ? G : prev) : G;
@@ -94,23 +96,29 @@ static inline __attribute__((always_inline)) double row_msq_(const float *restri
                        float one_m_mu, float mu, int nesterov, const int mona, const mona_t mo,
                        const float *restrict pr, const float *restrict ar, int bf16, int *big,
                        const int want_g, float *gss) {
-    float part = 0.0f, gpart = 0.0f;
+    float part = 0.0f, gpart = 0.0f, achk = 0.0f;
     int ov = 0; /* counted in pass 3, which writes */
-#pragma omp simd reduction(+ : part, ov, gpart)
+#pragma omp simd reduction(+ : part, ov, gpart, achk)
     for (int64_t j = 0; j < C; j++) {
         float nb, pn, an;
         const float M = momentum_entry_(gr[j], bo[j], s, gate, one_m_mu, mu, nesterov, &nb, mona, mo,
                                         mona ? pr[j] : 0.0f, mona ? ar[j] : 0.0f, &pn, &an, bf16, &ov);
         part += M * M;
         if (want_g) gpart += gr[j] * gr[j];
+        /* bf16 MONA, ungated: a new A at or above 2^127 (2·A overflows; every A that rounds to Inf in bf16
+         * is) or not finite. An A that is Inf or NaN in fp32 reaches M (G + α·A), but one in bf16's window
+         * does not when α is small: this sum is what sees it (row_check_'s rule). gcc unswitches the loop
+         * on mo.abf, a constant per call. */
+        if (mona && !gate && mo.abf) achk += an * 2.0f;
     }
     if (want_g) *gss = gpart;
+    const int abad = !finitef_(achk);
     /* Exact enough unless a square overflowed or the row is so small that squares lost precision (or
      * underflowed): then this row, still in cache, again in double — the NS5 input stays scale invariant
      * over fp32's whole range (tests/test_fused_spectral.py). *big: a square overflowed (some |M| above
      * about 1.8e19), the only way an ungated row can hide a buffer overflow (see nonans_spectral_pre). */
-    if (finitef_(part) && part > 1e-30f) return part;
-    *big = !finitef_(part);
+    if (!abad && finitef_(part) && part > 1e-30f) return part;
+    *big = !finitef_(part) || abad; /* abad: a bf16 MONA A that the gated arithmetic keeps */
     double acc = 0.0;
 #pragma omp simd reduction(+ : acc, ov)
     for (int64_t j = 0; j < C; j++) {
@@ -129,7 +137,7 @@ static double row_msq_dispatch_(const float *restrict gr, const float *restrict 
                                 int gated, float one_m_mu, float mu, int nesterov, const mona_t *mo,
                                 const float *restrict pr, const float *restrict ar, int bf16, int *big,
                                 float *gss) {
-    const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
+    const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0, 0};
     if (mo != NULL)
         return gated ? row_msq_(gr, bo, C, s, 1, one_m_mu, mu, nesterov, 1, m, pr, ar, bf16, big, 0, NULL)
                : gss ? row_msq_(gr, bo, C, s, 0, one_m_mu, mu, nesterov, 1, m, pr, ar, 0, big, 1, gss)
@@ -194,7 +202,7 @@ static inline __attribute__((always_inline)) int row_update_(const float *restri
 static int row_update_dispatch_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C,
                                 float s, int gated, float one_m_mu, float mu, int nesterov, double inv,
                                 const mona_t *mo, float *restrict pr, float *restrict ar, int bf16) {
-    const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0};
+    const mona_t m = mo != NULL ? *mo : (mona_t){0.0f, 0.0f, 0, 0};
     if (mo != NULL)
         return gated ? row_update_(gr, b, x, C, s, 1, one_m_mu, mu, nesterov, inv, 1, m, pr, ar, bf16)
                      : row_update_(gr, b, x, C, s, 0, one_m_mu, mu, nesterov, inv, 1, m, pr, ar, 0);
@@ -210,7 +218,7 @@ static int row_update_dispatch_(const float *restrict gr, float *restrict b, flo
  * 2^127 and that bound, only sends the row to the gated arithmetic, which writes the same values there.
  * A loop of its own over the row (in L1): the same sum inside row_update_'s loop left that loop about
  * 3x slower (FullFusion's pre call on the default GPT, scratch A/B, 2026-11-26). */
-static float row_check_(const float *restrict b, int64_t C, int bf16) {
+static float row_check_(const float *restrict b, int64_t C, int bf16) { /* (also on a bf16 MONA A row) */
     const float k = bf16 ? 2.0f : 1.0f;
     float c = 0.0f;
 #pragma omp simd reduction(+ : c)
@@ -218,23 +226,40 @@ static float row_check_(const float *restrict b, int64_t C, int bf16) {
     return c;
 }
 
+/* MONA's G_prev and A rows r as fp32 rows to update: fp32 buffers in place; bf16 ones (mbf) widened into the
+ * scratch rows prow and arow (pass 3 narrows them back), their stored bits untouched until then. */
+static void mona_rows_(void *pi, void *ai, int mbf, int64_t r, int64_t C, float *prow, float *arow, float **pr,
+                       float **ar) {
+    if (pi == NULL) {
+        *pr = *ar = NULL;
+    } else if (!mbf) {
+        *pr = (float *)pi + r * C;
+        *ar = (float *)ai + r * C;
+    } else {
+        widen_row_((const uint16_t *)pi + r * C, 1, prow, C);
+        widen_row_((const uint16_t *)ai + r * C, 1, arow, C);
+        *pr = prow;
+        *ar = arow;
+    }
+}
+
 /* The momentum side. g, buf, x: per tensor; rows/cols: the matrix shape (buf and x have the same layout
- * as g); hp = {1-μ, μ}. MONA (NULL without it): mona_prev and mona_avg per tensor (fp32, g's layout),
- * mona_hp = {α, 1-β}. raw: x receives M itself (fp32; KL-Shampoo preconditions it and the caller
- * normalises), and the passes that only serve the norm of M are skipped. Resolution (all NULL/0 under
+ * as g); hp = {1-μ, μ}. MONA (NULL without it): mona_prev and mona_avg per tensor (g's layout; fp32, or
+ * bf16 where mona_bf16), mona_hp = {α, 1-β}. raw: x receives M itself (fp32; KL-Shampoo preconditions it
+ * and the caller normalises), and the passes that only serve the norm of M are skipped. Resolution (all NULL/0 under
  * "off"): as in scalar_step.c, plus row_ok (out, concatenated rows of every tensor: whether the row's
  * gradient was entirely finite; required unless "off") and hold (out, one per tensor: bit 0 the hold
  * rule, bit 1 a "skip" tensor that had a bad entry). scale_out and
  * bad_out (out, optional, one per tensor): the spike guard's scale of g and the count of non-finite
- * gradient entries (0 under "off"). Returns 0, or 1 when scratch memory could not be allocated (nothing
+ * gradient entries (0 under "off"). g_bf16: g is bf16 (widened row by row). Returns 0, or 1 when scratch memory could not be allocated (nothing
  * written). */
 int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x, int x_bf16,
                         const int64_t *rows, const int64_t *cols, float **step, const float *hp, int nesterov,
-                        float **mona_prev, float **mona_avg, const float *mona_hp, int raw,
+                        void **mona_prev, void **mona_avg, const float *mona_hp, int raw,
                         int policy, float factor, float beta, float one_m_beta, float *ema, const int64_t *sel,
                         const int64_t *clean_streak, const int64_t *events, int64_t repeat_window,
                         uint8_t *row_ok, uint8_t *hold, float *scale_out, int64_t *bad_out, int64_t *dense,
-                        int nthreads, int g_bf16) {
+                        int nthreads, int g_bf16, int mona_bf16) {
     const int T = nthreads > 0 ? nthreads : 1;
     const int gate = policy != POLICY_OFF, guard = gate && factor > 0.0f;
     const float one_m_mu = hp[0], mu = hp[1];
@@ -274,9 +299,10 @@ int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x,
             float s = 1.0f;
             int skip = 0;
             const mona_t mo = {mona_hp != NULL ? mona_hp[0] : 0.0f, mona_hp != NULL ? mona_hp[1] : 0.0f,
-                               *step[i] == 1.0f};
+                               *step[i] == 1.0f, gate && mona_bf16};
             const mona_t *mop = mona_prev != NULL ? &mo : NULL;
-            float *pi = mona_prev != NULL ? mona_prev[i] : NULL, *ai = mona_avg != NULL ? mona_avg[i] : NULL;
+            void *pi = mona_prev != NULL ? mona_prev[i] : NULL, *ai = mona_avg != NULL ? mona_avg[i] : NULL;
+            const int mbf = pi != NULL && mona_bf16;
             double *gsq = part + row_off[i], *msq = part + total_rows + row_off[i];
             /* pass 1: gradient statistics and, speculating that the spike guard will not fire (s = 1),
              * the row sums of M². Nothing is written before pass 3, so a wrong guess costs one more
@@ -290,7 +316,9 @@ int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x,
             int64_t nan_c = 0, bad_c = 0;
             for (int64_t r = r0; r < r1; r++) {
                 const float *gr = grad_row_(gi, g_bf16, r, C, growb);
-                const float *pr = pi ? pi + r * C : NULL, *ar = ai ? ai + r * C : NULL;
+                float *pr, *ar;
+                if (!raw) mona_rows_(pi, ai, mbf, r, C, prow, arow, &pr, &ar); /* raw: pass 1 reads no M */
+                else pr = ar = NULL;
                 if (!raw) widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
                 if (!gate) {
                     if (!raw)
@@ -363,10 +391,11 @@ int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x,
             if (s != 1.0f && !raw) { /* pass 2: the guard fired (the same decision on every thread) */
                 for (int64_t r = r0; r < r1; r++) {
                     widen_row_((const char *)buf[i] + (size_t)(r * C) * bsz, buf_bf16, brow, C);
+                    float *pr, *ar;
+                    mona_rows_(pi, ai, mbf, r, C, prow, arow, &pr, &ar);
                     msq[r] = row_msq_checked_(grad_row_(gi, g_bf16, r, C, growb), brow, C, s,
                                               gate ? row_ok + row_off[i] + r : NULL,
-                                              one_m_mu, mu, nesterov, mop, pi ? pi + r * C : NULL,
-                                              ai ? ai + r * C : NULL, buf_bf16);
+                                              one_m_mu, mu, nesterov, mop, pr, ar, buf_bf16);
                 }
 #pragma omp barrier
             }
@@ -379,10 +408,11 @@ int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x,
             for (int64_t r = r0; r < r1; r++) {
                 char *bdst = (char *)buf[i] + (size_t)(r * C) * bsz;
                 widen_row_(bdst, buf_bf16, brow, C);
-                float *pr = pi ? pi + r * C : NULL, *ar = ai ? ai + r * C : NULL;
+                float *pr, *ar;
+                mona_rows_(pi, ai, mbf, r, C, prow, arow, &pr, &ar); /* bf16: scratch rows already */
                 const float *pr0 = pr, *ar0 = ar; /* MONA's rows as they were */
                 const size_t rb = (size_t)C * sizeof(float);
-                if (skip && pr != NULL) { /* MONA's rows are updated in scratch copies, then dropped */
+                if (skip && pr != NULL && !mbf) { /* MONA's rows are updated in scratch copies, then dropped */
                     memcpy(prow, pr, rb);
                     memcpy(arow, ar, rb);
                     pr = prow;
@@ -398,15 +428,18 @@ int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x,
                      * arithmetic on every such row had FullFusion's pre call at 15.3 ms under "repair"
                      * against 8.8 ms "off"; this build: 3.6 ms and 2.9 ms (default GPT, 2 threads, a scratch
                      * A/B of the two builds in one process, 2026-11-26). */
-                    if (pr != NULL && !skip) {
+                    if (pr != NULL && !skip && !mbf) {
                         memcpy(prow, pr, rb);
                         memcpy(arow, ar, rb);
                     }
                     row_update_dispatch_(gr, brow, xrow, C, s, 0, one_m_mu, mu, nesterov, inv, mop, pr, ar,
                                          buf_bf16);
-                    if (!finitef_(row_check_(brow, C, buf_bf16))) { /* failed: again from the old values, gated */
+                    if (!finitef_(row_check_(brow, C, buf_bf16)) || (mbf && !finitef_(row_check_(ar, C, 1)))) {
+                        /* failed: again from the old values, gated */
                         widen_row_(bdst, buf_bf16, brow, C);
-                        if (pr != NULL) {
+                        if (mbf) {
+                            mona_rows_(pi, ai, mbf, r, C, prow, arow, &pr, &ar);
+                        } else if (pr != NULL) {
                             memcpy(pr, skip ? pr0 : prow, rb);
                             memcpy(ar, skip ? ar0 : arow, rb);
                         }
@@ -418,6 +451,10 @@ int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x,
                                                  nesterov, inv, mop, pr, ar, buf_bf16);
                 }
                 if (!skip) narrow_row_(brow, bdst, buf_bf16, C);
+                if (!skip && mbf) { /* bf16 MONA rows: rounded once, as stored */
+                    narrow_row_(pr, (uint16_t *)pi + r * C, 1, C);
+                    narrow_row_(ar, (uint16_t *)ai + r * C, 1, C);
+                }
                 narrow_row_(xrow, (char *)x[i] + (size_t)(r * C) * xsz, x_bf16, C);
             }
             cnt[(i * T + tid) * NPRE + 2] = ov_c;

@@ -9,9 +9,10 @@ matmuls — several times the time their byte traffic needs. Published since (RE
 time"): SF-NorMuon's whole step, median, 56.08 ms compiled and 45.46 ms fused.
 
 Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon, FullFusion, Muon),
-under every policy, for contiguous fp32 CPU parameters and gradients — bf16 ones too without MONA and
-KL-Shampoo (SF-NorMuon, Muon: a bf16 gradient row is widened, a parameter row rounded once as it is stored,
-its guard testing finiteness as stored) —, a bf16 or fp32 momentum buffer, and a bf16 or fp32 hot dtype.
+under every policy, for contiguous fp32 or bf16 CPU parameters and gradients (a bf16 gradient row is widened,
+a parameter row — and MONA's rows, held in the parameter's dtype — rounded once as it is stored, the gates
+testing finiteness as stored; KL-Shampoo reads the bf16 gradient in torch, as impl="loop" does), a bf16 or
+fp32 momentum buffer, and a bf16 or fp32 hot dtype.
 Off the CPU (or with ``NONANS_FUSED_BACKEND=triton``) the group goes to the multi-tensor Triton kernels
 instead (``_fused_triton.triton_spectral_update``, the same components).
 Anything neither covers (fp16 NS5, say) returns False and the caller runs
@@ -105,22 +106,19 @@ def native_part(params: list[torch.Tensor], grads: list[torch.Tensor], states: l
         first = next((b.dtype for b, ok in zip(bufs, covered) if ok), None)  # the loops take one buffer dtype
         return [ok and pointers([b], first) is not None for b, ok in zip(bufs, covered)]
 
-    return run_covered((params, grads, states, indices), _param_dtypes(comps), covers,
+    return run_covered((params, grads, states, indices), _PARAM_DTYPES, covers,
                        lambda *part: fused_spectral_update(*part, group, ctx, comps=comps, gamma=gamma, c=c))
 
 
-def _param_dtypes(comps: frozenset[str]) -> tuple[torch.dtype, ...]:
-    """The parameter dtypes the loops take for these components: bf16 only without MONA and KL-Shampoo
-    (their buffers and stacks are fp32 arithmetic on fp32 state)."""
-    return (torch.float32,) if comps & {"mona", "shampoo"} else (torch.float32, torch.bfloat16)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)  # the parameter dtypes the loops take
 
 
 def _covers(p: torch.Tensor, g: torch.Tensor, st: dict, dtype: torch.dtype) -> bool:
-    """Whether the loops take this matrix as a ``dtype`` parameter: parameter, gradient and z of that dtype,
-    NorMuon's row moment and MONA's buffers fp32, all contiguous CPU tensors."""
-    fp32 = [st[k] for k in ("normuon_row_sq", "mona_prev_grad", "mona_diff_avg") if k in st]
-    return (pointers([p, g] + ([st["z"]] if "z" in st else []), dtype) is not None
-            and (not fp32 or pointers(fp32) is not None))
+    """Whether the loops take this matrix as a ``dtype`` parameter: parameter, gradient, z and MONA's buffers
+    of that dtype (``zeros_like(p)``), NorMuon's row moment fp32, all contiguous CPU tensors."""
+    own = [p, g] + [st[k] for k in ("z", "mona_prev_grad", "mona_diff_avg") if k in st]
+    return (pointers(own, dtype) is not None
+            and ("normuon_row_sq" not in st or pointers([st["normuon_row_sq"]]) is not None))
 
 
 @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
@@ -151,11 +149,11 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     check_spectral_sizes([p.numel() for p in params], [m for m, _ in shapes], bufs, zs if sf else None,
                          vs if normuon else None, mona_bufs if mona else None)
     p_dtype = params[0].dtype
-    if p_dtype not in _param_dtypes(comps):
+    if p_dtype not in _PARAM_DTYPES:
         return False
     ptrs = [pointers(params, p_dtype), pointers(grads, p_dtype), pointers(bufs, buf_dtype), pointers(steps),
             pointers(zs, p_dtype) if sf else True, pointers(vs) if normuon else True,
-            pointers(mona_bufs[0]) if mona else True, pointers(mona_bufs[1]) if mona else True]
+            pointers(mona_bufs[0], p_dtype) if mona else True, pointers(mona_bufs[1], p_dtype) if mona else True]
     if any(x is None for x in ptrs) or not gamma.is_cpu:
         return False
     gamma = gamma.float()  # fp32, as native_scalar_update takes it (why there)
@@ -178,7 +176,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         ctypes.addressof(hp_mona) if mona else None, int(shampoo), _POLICY[policy], r["factor"], SPIKE_BETA,
         1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
         row_ok.data_ptr() if gate else None, hold.data_ptr(), ctypes.addressof(scale), ctypes.addressof(bad),
-        r["dense"], threads, int(p_dtype is torch.bfloat16))
+        r["dense"], threads, int(p_dtype is torch.bfloat16), int(mona and p_dtype is torch.bfloat16))
     if rc != 0:
         raise MemoryError("impl='fused': the native spectral kernel could not allocate its scratch memory")
     if shampoo:  # the host reads are of CPU memory the pre loop has just written: no device
