@@ -357,6 +357,48 @@ def test_bf16_fullfusion_follows_the_loop(policy):
         assert got_opt.state[p]["mona_diff_avg"].dtype == torch.bfloat16
 
 
+def _column_window_run(cls, impl: str, dtype, sign: float, lr: float, p00: float):
+    """A 16 x 1 matrix (one entry per row: spectral_post.c tests a bf16 row's new values by a sum over the
+    row, so no other entry's value can overflow that sum and hide what the test itself sees), two steps of
+    size ``lr`` (the schedule-free weight c is then 0.5), entry [0, 0] set to ``sign`` · ``p00`` and z's to
+    ``sign`` · bf16's largest value before the second."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((0.1 * torch.randn(16, 1)).to(dtype))
+    opt = cls([{"params": [p], "path": "spectral"}], lr=lr, weight_decay=0.0, impl=impl)
+    p.grad = torch.randn(16, 1).to(dtype)
+    opt.step()
+    with torch.no_grad():
+        p[0, 0] = sign * p00
+        if "z" in opt.state[p]:
+            opt.state[p]["z"][0, 0] = sign * BF16_MAX
+    p.grad = torch.randn(16, 1).to(dtype)
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("cls, p00", [(no.Muon, BF16_MAX), (no.SFNorMuon, 0.0)], ids=["Muon-y", "SFNorMuon-z"])
+def test_one_value_in_the_bf16_window_fails_the_row_test(cls, p00):
+    """The bf16 row test of spectral_post.c on one value alone: Muon's y, moved 1e36 outwards from bf16's
+    largest value (into 3.3962e38 … 3.4028e38: finite in fp32, Inf in bf16, past 2^127 so its doubling
+    overflows), and SF-NorMuon's z alone, with y = lerp(0, z, 0.5) + … staying just under 2^127. The entry is
+    kept and counted as impl="loop" keeps and counts it."""
+    def moved(sign: float, lr: float) -> float:
+        q, opt = _column_window_run(cls, "fused", torch.float32, sign, lr, p00)
+        return float(opt.state[q].get("z", q)[0, 0].detach()) - sign * BF16_MAX
+
+    slope = moved(1.0, 1e35) / 1e35
+    sign, lr = (1.0 if slope > 0 else -1.0), 1e36 / abs(slope)
+    _, wide_opt = _column_window_run(cls, "fused", torch.float32, sign, lr, p00)
+    assert not wide_opt.events
+    ref, ref_opt = _column_window_run(cls, "loop", torch.bfloat16, sign, lr, p00)
+    got, got_opt = _column_window_run(cls, "fused", torch.bfloat16, sign, lr, p00)
+    assert [(e.stage, e.inf_count) for e in ref_opt.events] == [("update", 1)]
+    assert_resolution_matches(ref_opt, got_opt)
+    assert torch.isfinite(got).all() and all(torch.isfinite(v).all() for v in got_opt.state[got].values()
+                                             if torch.is_tensor(v))
+    assert float(got_opt.state[got].get("z", got)[0, 0]) == sign * BF16_MAX  # the value kept
+
+
 def _mona_window_run(impl: str, comps: tuple[str, ...]):
     """MONA's average A driven into bf16's window by one entry, with nothing else there out of range: A and
     G_prev at ±bf16's largest value, β = 0 (the new A is G - G_prev = 1e36 + 3.3895e38, finite in fp32 and

@@ -45,6 +45,7 @@ import nonans_optim as no
 from nonans_optim import native
 from test_fused import _run
 from test_fused_spectral import _run as spectral_run
+from test_fused_bf16 import BF16_MAX, SPECTRAL_SHAPES, _column_window_run, _spectral_grads
 
 def overflow_run(cls, policy, dtype=torch.float32):
     # Parameters near the fp32 limit and a huge step size: the new y (and z) overflow to ±Inf, and
@@ -142,19 +143,39 @@ for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
             params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, dtype=torch.bfloat16,
                                spike_factor=factor)
             out[(i, "bf16", factor)] = (params, opt.state_dict())
+def spectral_bf16_run(cls, policy):
+    # test_fused_bf16.py's spectral fault sequence on bf16 matrices (spectral_post.c's bf16 rows take the
+    # AVX-512 row loop in that build, the portable one otherwise)
+    torch.manual_seed(0)
+    params = [(0.1 * torch.randn(s)).bfloat16().requires_grad_() for s in SPECTRAL_SHAPES]
+    opt = cls([{"params": params, "path": "spectral"}], lr=1e-2, weight_decay=0.1, resolution=policy, impl="fused")
+    gen = torch.Generator().manual_seed(1)
+    for t in range(6):
+        for p, g in zip(params, _spectral_grads(t, gen)):
+            p.grad = g
+        opt.step()
+    return params, opt
+
 for cls in ("SFNorMuon", "Muon", "FullFusion"):
     for threads in (1, 2):
         params, opt = spectral_run(cls=getattr(no, cls), threads=threads)
         out[(cls, threads)] = (params, opt.state_dict())
+    for policy in ("repair", "off"):
+        params, opt = spectral_bf16_run(getattr(no, cls), policy)
+        out[(cls, policy, "spectral-bf16")] = (params, opt.state_dict())
     params, opt = spectral_run(cls=getattr(no, cls), resolution="skip")
     out[(cls, "skip")] = (params, opt.state_dict())
+for cls, p00 in ((no.Muon, BF16_MAX), (no.SFNorMuon, 0.0)):  # one bf16 value in the window (test_fused_bf16)
+    q, o = _column_window_run(cls, "fused", torch.float32, 1.0, 1e35, p00)
+    slope = (float(o.state[q].get("z", q)[0, 0].detach()) - BF16_MAX) / 1e35
+    p, opt = _column_window_run(cls, "fused", torch.bfloat16, 1.0 if slope > 0 else -1.0, 1e36 / abs(slope), p00)
+    out[(cls.__name__, "column-window")] = ([p], opt.state_dict())
 for cls in ("AdamW", "SFAdamW", "SFNorMuon", "Muon"):
     for policy in ("repair", "off"):
         params, opt = overflow_run(cls, policy)
         out[(cls, policy)] = (params, opt.state_dict())
-        if cls in ("AdamW", "SFAdamW"):
-            params, opt = overflow_run(cls, policy, torch.bfloat16)
-            out[(cls, policy, "bf16")] = (params, opt.state_dict())
+        params, opt = overflow_run(cls, policy, torch.bfloat16)
+        out[(cls, policy, "bf16")] = (params, opt.state_dict())
 torch.save(out, sys.argv[1])
 """
 
