@@ -246,12 +246,12 @@ static void mona_rows_(void *pi, void *ai, int mbf, int64_t r, int64_t C, float 
 /* The momentum side. g, buf, x: per tensor; rows/cols: the matrix shape (buf and x have the same layout
  * as g); hp = {1-μ, μ}. MONA (NULL without it): mona_prev and mona_avg per tensor (g's layout; fp32, or
  * bf16 where mona_bf16), mona_hp = {α, 1-β}. raw: x receives M itself (fp32; KL-Shampoo preconditions it
- * and the caller normalises), and the passes that only serve the norm of M are skipped. Resolution (all NULL/0 under
- * "off"): as in scalar_step.c, plus row_ok (out, concatenated rows of every tensor: whether the row's
- * gradient was entirely finite; required unless "off") and hold (out, one per tensor: bit 0 the hold
- * rule, bit 1 a "skip" tensor that had a bad entry). scale_out and
- * bad_out (out, optional, one per tensor): the spike guard's scale of g and the count of non-finite
- * gradient entries (0 under "off"). g_bf16: g is bf16 (widened row by row). Returns 0, or 1 when scratch memory could not be allocated (nothing
+ * and the caller normalises), and the passes that only serve the norm of M are skipped. Resolution (all
+ * NULL/0 under "off"): as in scalar_step.c, plus row_ok (out, concatenated rows of every tensor: whether the
+ * row's gradient was entirely finite; required unless "off") and hold (out, one per tensor: bit 0 the hold
+ * rule, bit 1 a "skip" tensor that had a bad entry). scale_out and bad_out (out, optional, one per tensor):
+ * the spike guard's scale of g and the count of non-finite gradient entries (0 under "off"). g_bf16: g is
+ * bf16 (widened row by row). Returns 0, or 1 when scratch memory could not be allocated (nothing
  * written). */
 int nonans_spectral_pre(int64_t n, void **g, void **buf, int buf_bf16, void **x, int x_bf16,
                         const int64_t *rows, const int64_t *cols, float **step, const float *hp, int nesterov,
