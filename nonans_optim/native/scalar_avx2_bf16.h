@@ -114,19 +114,13 @@ static inline __attribute__((always_inline)) void update_block_bf16_avx2(
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
     (void)clean;
-    if ((gate && (hold || keep_all)) || !finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h)) { /* "off" too: the test */
-        update_block_t_(1, sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
-                        keep_all, c);
-        return;
-    }
+    if (bf16_whole_block_(sf, gate, decay_z, BF16_BLOCK_ARGS_, hold, keep_all, c)) return;
     const y8hyper_t k = y8hyper_make_(s, lr, wdf, lrc, bc1, bc2, h);
     if (fabsf(sf ? h.c : h.one_m_b1) < 0.5f)
         y8bf_loop_(sf, gate, decay_z, 1, p, g, m, v, z, b0, b1, &k, s, lr, wdf, lrc, bc1, bc2, h, c);
     else
         y8bf_loop_(sf, gate, decay_z, 0, p, g, m, v, z, b0, b1, &k, s, lr, wdf, lrc, bc1, bc2, h, c);
-    const int64_t tail = b0 + (b1 - b0) / Y8BF_GROUP_ * Y8BF_GROUP_;
-    if (tail < b1)
-        update_block_t_(1, sf, gate, 0, decay_z, p, g, m, v, z, tail, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
+    bf16_tail_(sf, gate, decay_z, Y8BF_GROUP_, BF16_BLOCK_ARGS_, c);
 }
 #endif
 #endif

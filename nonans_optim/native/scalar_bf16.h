@@ -50,6 +50,30 @@ static inline int finite_hyper_(float s, float lr, float wdf, float lrc, float b
     return ok;
 }
 
+/* The frame the SIMD bf16 loops (scalar_avx512_bf16.h, scalar_avx2_bf16.h) share, around their steps of
+ * `step` entries over [b0, b1): a block that the portable loop takes whole — a held or "skip" tensor's, or
+ * one with a non-finite hyperparameter, under "off" too (their tests read rounded values, see
+ * finite_hyper_) — is run here and 1 returned; else 0, and bf16_tail_ runs the entries after the last
+ * whole step. */
+#define BF16_BLOCK_ARGS_ p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h
+static inline __attribute__((always_inline)) int bf16_whole_block_(
+        const int sf, const int gate, const int decay_z, void *restrict p, const void *restrict g,
+        void *restrict m, void *restrict v, void *restrict z, int64_t b0, int64_t b1, float s, float lr,
+        float wdf, float lrc, float bc1, float bc2, const hyper_t h, int hold, int keep_all, int64_t *c) {
+    if (!(gate && (hold || keep_all)) && finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h)) return 0;
+    update_block_t_(1, sf, gate, 0, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold, keep_all, c);
+    return 1;
+}
+
+static inline __attribute__((always_inline)) void bf16_tail_(
+        const int sf, const int gate, const int decay_z, int64_t step, void *restrict p, const void *restrict g,
+        void *restrict m, void *restrict v, void *restrict z, int64_t b0, int64_t b1, float s, float lr,
+        float wdf, float lrc, float bc1, float bc2, const hyper_t h, int64_t *c) {
+    const int64_t tail = b0 + (b1 - b0) / step * step;
+    if (tail < b1)
+        update_block_t_(1, sf, gate, 0, decay_z, p, g, m, v, z, tail, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
+}
+
 /* update_block_t_(1, ...) for [b0, b1), same arguments, same bits, same counts. */
 static inline __attribute__((always_inline)) void update_block_bf16_(
         const int sf, const int gate, const int clean, const int decay_z,
