@@ -1,5 +1,7 @@
 """impl="fused" on bf16 tensors: the native (SF-)AdamW loop widens each entry to fp32, runs the fp32 step
-and rounds each result once as it stores it (nonans_optim/native/scalar_step.c, scalar_bf16.h).
+and rounds each result once as it stores it (nonans_optim/native/scalar_step.c, scalar_bf16.h and its SIMD
+forms scalar_avx512_bf16.h and scalar_avx2_bf16.h); so do the spectral loops (spectral_pre.c with MONA's
+buffers, spectral_post.c).
 
 The oracle is that description. Step by step through tests/test_fused.py's fault sequence (NaN, ±Inf, a
 moment overflowing, the hold rule, a spike), an fp32 twin of the bf16 optimizer — its parameters, state

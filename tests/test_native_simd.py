@@ -5,9 +5,11 @@ buffer and event count must be bit-identical — over test_fused.py's fault sequ
 overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
 on and off, one and two threads, both branches of the lerp formula; over test_fused_spectral.py's for
 SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that overflow to ±Inf and NaN inside
-the step (the update stage's NaN/Inf split); the (SF-)AdamW runs in bf16 as well (scalar_avx512_bf16.h
-against the portable scalar_bf16.h). test_fused.py and test_fused_spectral.py already compare each
-build with impl="loop" within tolerances; this pins down that the fast paths changed nothing.
+the step (the update stage's NaN/Inf split); most runs in bf16 as well (the (SF-)AdamW loop:
+scalar_avx512_bf16.h or scalar_avx2_bf16.h against the portable scalar_bf16.h; the spectral loops' bf16
+rows, and one value in the window alone: test_fused_bf16.py's 16 x 1 runs). test_fused.py and
+test_fused_spectral.py already compare each build with impl="loop" within tolerances; this pins down that the
+fast paths changed nothing.
 
 Each build runs in its own subprocess (the library is loaded once per process) and saves its results. The
 default build is compared, and on an AVX-512 machine the AVX2 form too (``NONANS_NATIVE_SIMD=avx2``).
@@ -143,6 +145,7 @@ for i, (cls, policy, threads, kw) in enumerate(ast.literal_eval(sys.argv[2])):
             params, opt = _run(getattr(no, cls), "fused", policy, threads=threads, dtype=torch.bfloat16,
                                spike_factor=factor)
             out[(i, "bf16", factor)] = (params, opt.state_dict())
+
 def spectral_bf16_run(cls, policy):
     # test_fused_bf16.py's spectral fault sequence on bf16 matrices (spectral_post.c's bf16 rows take the
     # AVX-512 row loop in that build, the portable one otherwise)
