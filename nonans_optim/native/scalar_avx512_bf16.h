@@ -39,13 +39,11 @@
 
 #define BF_STEP_ 64 /* entries per step: two 32-entry loads per array, four 16-lane vectors of arithmetic */
 
-/* The 16 even (lo) and 16 odd (hi) entries of 32 bf16 values, as fp32. */
-static inline __attribute__((always_inline)) __m512 bf_lo_(__m512i x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-}
-
-static inline __attribute__((always_inline)) __m512 bf_hi_(__m512i x) {
-    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+/* The 16 even (half 0) or 16 odd (half 1) entries of 32 bf16 values, as fp32: a shift of each 32-bit lane
+ * by 16, or its low half masked off. */
+static inline __attribute__((always_inline)) __m512 bf_half_(__m512i x, const int half) {
+    return _mm512_castsi512_ps(half ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u))
+                                    : _mm512_slli_epi32(x, 16));
 }
 
 /* x rounded to bf16 in the high half of each lane (the low half is left over from the rounding sum):
@@ -97,9 +95,8 @@ static inline __attribute__((always_inline)) void bf_step_(
     for (int q = 0; q < 2; q++) {
         __m512i out[2][3]; /* [half][y, v, m or z] rounded */
         for (int half = 0; half < 2; half++) {
-            const __m512 gr = half ? bf_hi_(rg[q]) : bf_lo_(rg[q]), po = half ? bf_hi_(raw[3 * q]) : bf_lo_(raw[3 * q]);
-            const __m512 vo = half ? bf_hi_(raw[3 * q + 1]) : bf_lo_(raw[3 * q + 1]);
-            const __m512 so = half ? bf_hi_(raw[3 * q + 2]) : bf_lo_(raw[3 * q + 2]);
+            const __m512 gr = bf_half_(rg[q], half), po = bf_half_(raw[3 * q], half);
+            const __m512 vo = bf_half_(raw[3 * q + 1], half), so = bf_half_(raw[3 * q + 2], half);
             __m512 vn, mn, y, zn = sf ? so : _mm512_setzero_ps();
             arith_(sf, decay_z, 0, _mm512_mul_ps(gr, k->s), vo, sf ? _mm512_setzero_ps() : so, po,
                    sf ? so : _mm512_setzero_ps(), 0, (__mmask16)0xFFFF, k, &vn, &mn, &y, &zn, &unused);
