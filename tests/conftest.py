@@ -36,6 +36,11 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
+    shard = os.environ.get("NONANS_TEST_SHARD")  # set by tests/interpreted.py for one shard of a suite
+    if shard:
+        from interpreted import shard_of
+        items[:], deselected = shard_of(items, shard)
+        config.hook.pytest_deselected(items=deselected)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
