@@ -405,7 +405,7 @@ def _mona_window_run(impl: str, comps: tuple[str, ...]):
     """MONA's average A driven into bf16's window by one entry, with nothing else there out of range: A and
     G_prev at ±bf16's largest value, β = 0 (the new A is G - G_prev = 1e36 + 3.3895e38, finite in fp32 and
     Inf in bf16), α = 0 and an old momentum buffer of -g with μ = 0.5, so that the entry's M is exactly 0:
-    no square overflows, which is what else sends a row to the gated arithmetic (spectral_pre.c's row_msq_).
+    no square overflows, which is what else sends a row to the gated arithmetic (spectral_rows.h's row_msq_).
     With KL-Shampoo, pass 3 speculates the row and tests it (row_check_)."""
     torch.manual_seed(0)
     p = torch.nn.Parameter((0.1 * torch.randn(16, 24)).bfloat16())

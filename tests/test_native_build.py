@@ -34,3 +34,12 @@ def test_unknown_simd_mode_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("NONANS_NATIVE_SIMD", "avx1024")
     with pytest.raises(ValueError, match="'auto', 'portable' or 'avx2', got 'avx1024'"):
         native._simd_flags()
+
+
+def test_every_native_source_is_in_the_build_key():
+    """The library is cached under a hash of ``native.SOURCES``: a C file or header missing from that list
+    would be compiled (it is included or built) without changing the key, so an edit to it would keep
+    loading the library built before the edit."""
+    folder = native.SOURCES[0].parent
+    on_disk = {p.name for p in folder.iterdir() if p.suffix in (".c", ".h")}
+    assert on_disk == {p.name for p in native.SOURCES}

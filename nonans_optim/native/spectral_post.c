@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void update_row_avx512_(
  * sums 2·y (+ 2·z): non-finite wherever a new value is NaN, ±Inf or at least 2^127 (its doubling overflows
  * before any addition could cancel it), which covers every value that rounds to Inf in bf16
  * ((2 - 2^-8)·2^127; a finite sum that overflows, or a value between 2^127 and that bound, only costs the
- * exact path: spectral_pre.c's row_check_ rule). Only a row that fails — or a held or "skip" tensor's — is
+ * exact path: spectral_rows.h's row_check_ rule). Only a row that fails — or a held or "skip" tensor's — is
  * widened again and computed by the portable loop with the guard, which decides and counts per entry; the
  * stock values are that loop's wherever every new value is storable. The guarded portable loop on every row
  * made "repair" cost SF-NorMuon's bf16 post call about 0.4 ms of its 2.3 ms, and a separate pass for the
