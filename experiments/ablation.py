@@ -123,11 +123,13 @@ def _verdicts(summary: dict[str, dict[str, dict[str, float]]]) -> list[list[str]
         return "holds" if d > spread else ("reversed" if -d > spread else "within spread")
 
     claims = [("every spectral variant beats AdamW (Muon, +MONA, SF-NorMuon, Full all < AdamW)",
-               lambda t: ", ".join(f"{o}: {better(t, o, 'adamw')}" for o in ("muon", "muon_mona", "sfnormuon", "fullfusion"))),
+               lambda t: ", ".join(f"{o}: {better(t, o, 'adamw')}"
+                                   for o in ("muon", "muon_mona", "sfnormuon", "fullfusion"))),
               ("MONA adds to Muon (Muon+MONA < Muon)", lambda t: better(t, "muon_mona", "muon")),
               ("SF-NorMuon beats Muon+MONA", lambda t: better(t, "sfnormuon", "muon_mona")),
               ("Full Fusion beats SF-NorMuon at the same wall-clock", lambda t: better(t, "fullfusion", "sfnormuon")),
-              ("Full Fusion runs at ~0.51x AdamW's it/s", lambda t: f"measured {fmt(summary[t]['fullfusion']['it_s_ratio'], 2)}x"),
+              ("Full Fusion runs at ~0.51x AdamW's it/s",
+               lambda t: f"measured {fmt(summary[t]['fullfusion']['it_s_ratio'], 2)}x"),
               ("SF-NorMuon runs at ~1.00x AdamW's it/s (after compile)",
                lambda t: f"measured {fmt(summary[t]['sfnormuon']['it_s_ratio'], 2)}x (no torch.compile)")]
     for text, fn in claims:
@@ -164,7 +166,8 @@ def render(data: dict[str, Any]) -> str:
              "it/s vs AdamW", "diverged runs", "FusionOpt case study (Δ val_MAE / it/s)"], table)
             + f"\n\n![{task}](results/ablation_{task}.png)")
     parts.append("**FusionOpt's conclusions, checked on the same-wall-clock arm** (a difference counts only when "
-                 "it exceeds the larger seed sd)\n\n" + md_table(["FusionOpt conclusion"] + list(summary), _verdicts(summary)))
+                 "it exceeds the larger seed sd)\n\n"
+                 + md_table(["FusionOpt conclusion"] + list(summary), _verdicts(summary)))
     return "\n\n".join(parts)
 
 

@@ -91,7 +91,8 @@ def _plot(name: str, data: dict[str, Any], path: Path) -> None:
                 a.plot(r["curve"], label=f"{o} ×{k}", alpha=0.7)
         a.set(xlabel="eval point", ylabel="val loss")
     elif name in ("q3", "q7", "claims"):
-        rs = data["runs"] if isinstance(data["runs"], list) else [dict(arm=k, **r) for k, v in data["runs"].items() for r in v]
+        rs = (data["runs"] if isinstance(data["runs"], list)
+              else [dict(arm=k, **r) for k, v in data["runs"].items() for r in v])
         arms = list(dict.fromkeys(r["arm"] for r in rs))
         key = {"q3": "agree_ref", "claims": "value"}.get(name)
         vals = [[(r[key] if key else r["final"]["val_err"]) for r in rs if r["arm"] == arm] for arm in arms]
@@ -146,7 +147,8 @@ def render_open_questions(out: Path = OUT) -> str:
         else:
             q2, q3 = read_json(out / "q2.json"), read_json(out / "q3.json")
             body = ("- **NS5 in fp16 NaNs above ~256×256.** " + (V.claim_ns5_fp16(q2) if q2 else "(run q2)") +
-                    "\n- **AdamW with a diversity penalty NaNs.** " + (V.claim_adamw_diversity(q3) if q3 else "(run q3)") +
+                    "\n- **AdamW with a diversity penalty NaNs.** " +
+                    (V.claim_adamw_diversity(q3) if q3 else "(run q3)") +
                     "\n- **KL-Shampoo alone diverges.** " + V.claim_shampoo_alone(data) + "\n\n" + body)
         if name == "q2":  # its GPU part comes from the kernels experiment
             body += V.q2_gpu(read_json(out.parent / "kernels.json"))

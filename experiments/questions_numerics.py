@@ -1,8 +1,8 @@
 """Open question 2 — where does fp16 NS5 fail, and does our normalisation (or a rescale) fix it?
 
-No training: NS5 is run on Gaussian, low-rank (rank 4) and heavy-tailed (Gaussian × Pareto(1.5), tail index 1.5) matrices of
-size 64²…1024² at input scales 1e-8…1e4 (a gradient or momentum matrix of that entry magnitude). Each run
-is traced stage by stage, and the first stage that breaks is recorded:
+No training: NS5 is run on Gaussian, low-rank (rank 4) and heavy-tailed (Gaussian × Pareto(1.5), tail index 1.5)
+matrices of size 64²…1024² at input scales 1e-8…1e4 (a gradient or momentum matrix of that entry magnitude). Each
+run is traced stage by stage, and the first stage that breaks is recorded:
 
 * ``cast``  — the fp16 cast makes an entry Inf (|g| > 65504), or flushes every entry to 0;
 * ``norm``  — the Frobenius norm taken in fp16 overflows (→ X/Inf = 0: a *silent* zero update) or is 0;
@@ -158,7 +158,8 @@ def render_q2(data: dict[str, Any]) -> str:
                          f"{worst16:.1e}", f"{worst:.1e}"])
     agree = sum(c["naive_finite_nonzero"] == c["trace_naive_ok"] for c in data["crosscheck"])
     return (md_table(["input", "entry scale", "naive fp16: first failure", "ours fp16", "ours fp16_safe",
-                      "naive worst rel err (when finite)", "naive: entries flushed to 0", "ours fp16 worst rel err vs fp32", "fp16_safe worst rel err"], rows)
+                      "naive worst rel err (when finite)", "naive: entries flushed to 0",
+                      "ours fp16 worst rel err vs fp32", "fp16_safe worst rel err"], rows)
             + f"\n\nCross-check: the real `ns5_naive` agreed with the stage trace on {agree}/{len(data['crosscheck'])} "
               f"cases run in real fp16 (n ≤ {data['real_max']}); the real `ns5(dtype='fp16')` was finite on "
               f"{sum(c['ns5_fp16_finite'] for c in data['crosscheck'])}/{len(data['crosscheck'])}.")

@@ -85,7 +85,8 @@ def run_polyak(steps: int = 1000, scales=(0.01, 1.0, 100.0), lr: float = 3e-3, a
             out["trace"][f"{wl}@{scale}"] = {
                 "workload": wl, "scale": scale, "fractions": clamp_fractions(log["gamma_mult"]),
                 "final": r["final"], "diverged": r["diverged"], "steps": r["steps"],
-                "median_ratio_proxy": sorted(a / b for a, b in zip(log["loss_ema"], log["gnorm_ema"]) if b > 0)[len(log["loss_ema"]) // 2] if log["loss_ema"] else float("nan"),
+                "median_ratio_proxy": sorted(a / b for a, b in zip(log["loss_ema"], log["gnorm_ema"])
+                                             if b > 0)[len(log["loss_ema"]) // 2] if log["loss_ema"] else float("nan"),
                 **{k: v[::every] for k, v in log.items()}}
     for wl, kw in WORKLOADS.items():
         for seed in range(ab_seeds):

@@ -113,7 +113,8 @@ def v_q3(d: dict[str, Any]) -> str:
              ("SF-NorMuon", "SF-NorMuon, Polyak off", "warm"), ("Full", "SF-NorMuon", "fresh")]
     for a, b, init in pairs:
         if a in arms and b in arms:
-            lines.append(f"{a} vs {b} ({init}): agreement with the reference {fmt(agg(a, init, 'agree_ref')[0], 3)}% vs "
+            lines.append(f"{a} vs {b} ({init}): agreement with the reference "
+                         f"{fmt(agg(a, init, 'agree_ref')[0], 3)}% vs "
                          f"{fmt(agg(b, init, 'agree_ref')[0], 3)}% → {cmp(a, b, init)}")
     adam_nan = sum(r["diverged"] for r in runs("AdamW"))
     structured = cmp("Full", "SF-NorMuon") == "higher" if {"Full", "SF-NorMuon"} <= arms else False
@@ -167,16 +168,18 @@ def v_q5(d: dict[str, Any]) -> str:
                 "it saturates in some runs" if sat else "it does not saturate")
     status = ("evaluated; it beat the plain lr on every workload here, so an lr sweep decides whether it becomes a "
               "default" if rel_better else "evaluated, not recommended as a default")
-    return (f"**Answered: {headline}.** γ sat at a clamp on more than half the steps in {len(sat)}/{len(fr)} "
-            f"(workload, loss scale) runs ({spread_txt} across loss scales ×{', ×'.join(f'{s:g}' for s in d['config']['scales'])}). "
-            "L̄/Ḡ is unchanged by multiplying the loss (both EMAs scale alike), so loss scale barely moves it; what sets "
-            "it is the workload's units (loss per unit mean |g|, here of order the median L̄/Ḡ column). A clamp pinned "
-            "at 10 is a constant 10× lr, not a Polyak step. A/B at ×1 (lower is better): " + "; ".join(best) + ". "
+    return (f"**Answered: {headline}.** γ sat at a clamp on more than half the steps in "
+            f"{len(sat)}/{len(fr)} (workload, loss scale) runs ({spread_txt} across loss scales "
+            f"×{', ×'.join(f'{s:g}' for s in d['config']['scales'])}). "
+            "L̄/Ḡ is unchanged by multiplying the loss (both EMAs scale alike), so loss scale barely moves it; what "
+            "sets it is the workload's units (loss per unit mean |g|, here of order the median L̄/Ḡ column). A clamp "
+            "pinned at 10 is a constant 10× lr, not a Polyak step. A/B at ×1 (lower is better): " + "; ".join(best)
+            + ". "
             f"The scale-free relative rule {'beat' if rel_better else 'did not beat'} the plain lr on every workload"
             + ("" if rel_better else " (it shrinks γ as the loss falls faster than the gradient, which on a task with "
                "f* ≈ 0 throttles training early)")
-            + "; the saturated clamp's gain is the gain of a 10× larger lr, so the fair baseline for it is an lr sweep, "
-            f"which this run does not do. Proposal status: {status}.")
+            + "; the saturated clamp's gain is the gain of a 10× larger lr, so the fair baseline for it is an "
+            f"lr sweep, which this run does not do. Proposal status: {status}.")
 
 
 def v_q6(d: dict[str, Any]) -> str:
@@ -198,7 +201,8 @@ def v_q7(d: dict[str, Any]) -> str:
     m = {a: mean_sd(r["final"]["val_err"] for r in rs) for a, rs in runs.items()}
     a, b, c = m["AdamW"], m["Muon, conv reshaped → spectral"], m["Muon, conv → scalar (FusionOpt)"]
     def cmpr(x, y):
-        return "better" if y[0] - x[0] > max(x[1], y[1]) else ("worse" if x[0] - y[0] > max(x[1], y[1]) else "within spread of")
+        return ("better" if y[0] - x[0] > max(x[1], y[1])
+                else ("worse" if x[0] - y[0] > max(x[1], y[1]) else "within spread of"))
     return (f"**Answered at small scale.** With equal lr grids, Muon with reshaped conv kernels reached "
             f"{fmt(b[0], 3)}% val error vs AdamW {fmt(a[0], 3)}% ({cmpr(b, a)} AdamW) and vs conv-on-scalar "
             f"{fmt(c[0], 3)}% ({cmpr(b, c)} it). **GPU plan:** ResNet-18 on CIFAR-10, same four arms, lr grid of "
@@ -213,7 +217,8 @@ def v_q8(d: dict[str, Any]) -> str:
         for r in runs.values():
             moved += r["moved_between_micro_steps"]
             if r["loss_ema"] is not None:
-                ema_ok.append(abs(r["loss_ema"] - r["loss_ema_recomputed"]) <= 1e-4 * max(1.0, abs(r["loss_ema_recomputed"])))
+                ema_ok.append(abs(r["loss_ema"] - r["loss_ema_recomputed"])
+                              <= 1e-4 * max(1.0, abs(r["loss_ema_recomputed"])))
     dev_txt = "; ".join(f"{o}: {v:.1e}" for o, v in devs.items())
     control = next((o for o in devs if "Polyak off" in o), None)
     others = [v for o, v in devs.items() if o != control]

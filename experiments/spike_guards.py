@@ -121,8 +121,8 @@ def render(data: dict[str, Any]) -> str:
              f"defaults otherwise) on the tasks, conditions, spike steps and pairing of `python -m experiments "
              f"spikes`: {cfg['steps']} steps, {cfg['seeds']} seeds. Element-wise arms clip gᵢ to "
              "sign(gᵢ)·sqrt(θ·v̂ᵢ) where gᵢ² > θ·v̂ᵢ (v̂ = bias-corrected `exp_avg_sq` of the previous step), "
-             f"from step {cfg['warmup']} on. Cell: mean over seeds of the paired final val-loss gap vs the same seed's clean "
-             f"unguarded run (✓ = within {100 * cfg['tolerance']:.0f}%) · trigger count per run."]
+             f"from step {cfg['warmup']} on. Cell: mean over seeds of the paired final val-loss gap vs the same seed's "
+             f"clean unguarded run (✓ = within {100 * cfg['tolerance']:.0f}%) · trigger count per run."]
     for task in cfg["tasks"]:
         table = []
         for cond in CONDITIONS:

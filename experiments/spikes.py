@@ -207,7 +207,8 @@ def summarise(data: dict[str, Any], arm: str = "factor") -> list[dict[str, Any]]
         gap = statistics.fmean(r["val_gap"] for r in runs) if finite else float("inf")
         rows.append({"task": task, "optimizer": o, "condition": c, arm: f, "n": len(runs),
                      "val_loss": statistics.fmean(r["final"]["val_loss"] for r in runs),
-                     "val_err": statistics.fmean(r["final"]["val_err"] for r in runs) if "val_err" in runs[0]["final"] else None,
+                     "val_err": (statistics.fmean(r["final"]["val_err"] for r in runs)
+                                 if "val_err" in runs[0]["final"] else None),
                      "val_gap": gap, "recovery_excess": statistics.fmean(r["recovery_excess"] for r in runs),
                      "triggers": statistics.fmean(r["triggers"] for r in runs), "diverged": not finite,
                      "identical": all(r.get("identical_to_unguarded", True) for r in runs),

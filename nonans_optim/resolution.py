@@ -90,7 +90,8 @@ class NativeArgs:
     def __init__(self, res: "Resolution", indices: list[int], sel: torch.Tensor):
         t = res.tensors
         self.generation, self.indices, self.sel_tensor = res.generation, indices, sel
-        self.ema, self.sel, self.scale = t["grad_norm_ema"].data_ptr(), self.sel_tensor.data_ptr(), t["scale"].data_ptr()
+        self.ema, self.sel, self.scale = (t["grad_norm_ema"].data_ptr(), self.sel_tensor.data_ptr(),
+                                          t["scale"].data_ptr())
         self.streak, self.events = t["clean_streak"].data_ptr(), t["events"].data_ptr()
         packed = res.native_record_pack()
         self.pack = None if packed is None else packed[0]

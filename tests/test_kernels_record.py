@@ -154,7 +154,8 @@ def _define(device, marks=()):
     def test_optimizers_record_through_the_kernel(monkeypatch):
         case_optimizers_record_through_the_kernel(device, monkeypatch)
 
-    return test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel, test_failed_record_falls_back_to_torch
+    return (test_kernel_matches_torch_record, test_optimizers_record_through_the_kernel,
+            test_failed_record_falls_back_to_torch)
 
 
 if INTERPRETED:

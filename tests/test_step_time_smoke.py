@@ -136,7 +136,8 @@ def test_overhead_model_flag_has_its_own_json_and_section():
         n = sum(p.numel() for p in TinyGPT(MODELS["gpt2-small"]).parameters())
     assert 123e6 < n < 126e6
     gpu = {"device": "NVIDIA H100", "model": {"name": "gpt2-small"}}
-    assert section(gpu) == "overhead-gpu-gpt2-small" and _json_name(True, "gpt2-small") == "overhead_cuda_gpt2-small.json"
+    assert (section(gpu) == "overhead-gpu-gpt2-small"
+            and _json_name(True, "gpt2-small") == "overhead_cuda_gpt2-small.json")
     assert render.SECTIONS[section(gpu)][0] == _json_name(True, "gpt2-small")
     for name in ("default", "quick"):  # the tables published so far keep their places
         assert section({"device": "cpu", "model": {"name": name}}) == "overhead"

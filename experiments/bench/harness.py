@@ -3,8 +3,9 @@
 Per run: the loss at every step, the first step at which anything (loss, gradient or parameter) was
 non-finite, how many steps had a non-finite *loss* (the forward pass itself overflowed — distinct from a
 GradScaler calibration skip, where only the scaled backward overflows), whether the run completed (reached
-its last step with finite parameters and a finite final metric), steps lost, GradScaler skips, rollbacks, and for our optimizer the resolved events and the
-moment-buffer norm just before and just after every step that had one (continuity).
+its last step with finite parameters and a finite final metric), steps lost, GradScaler skips, rollbacks, and for
+our optimizer the resolved events and the moment-buffer norm just before and just after every step that had one
+(continuity).
 
 The harness syncs freely (``float(loss)``, finiteness checks): it is user code *around* ``step()``, and
 its cost is the same for every arm. Step overhead is measured separately (:mod:`.overhead`).

@@ -108,9 +108,9 @@ static inline __attribute__((always_inline)) int64_t y8_loop_(
                 vx = _mm256_max_epu32(vx, _mm256_castps_si256(_mm256_loadu_ps(v + j + q)));
             }
             /* signed compare: mx has no sign bit; unsigned for v, where a sign bit must fail */
-            const __m256i over = _mm256_or_si256(_mm256_cmpgt_epi32(mx, vlim),
-                                                 _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(vx, vmax), vmax),
-                                                                     _mm256_set1_epi32(-1)));
+            const __m256i over = _mm256_or_si256(
+                    _mm256_cmpgt_epi32(mx, vlim),
+                    _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(vx, vmax), vmax), _mm256_set1_epi32(-1)));
             if (__builtin_expect(!_mm256_testz_si256(over, over), 0)) {
                 Y8_EXACT_(j, j + 32);
                 continue;

@@ -267,7 +267,8 @@ int nonans_spectral_post(int64_t n, void **o, int o_bf16, void **p, void **z, fl
                 }
                 float *pr = (float *)p[i] + r * C, *zr = sf ? (float *)z[i] + r * C : NULL;
                 if (!gate && !sf) UPDATE_ROW_(0, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
-                else if (!gate && !decay) UPDATE_ROW_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
+                else if (!gate && !decay)
+                    UPDATE_ROW_(1, 0, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
                 else if (!gate) UPDATE_ROW_(1, 1, 0, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, 0, &un_t, &ub_t);
                 else if (!sf) UPDATE_ROW_(0, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);
                 else if (!decay) UPDATE_ROW_(1, 0, 1, orow, pr, zr, C, rsc, lr, lrc, wdf, wd, c, keep, &un_t, &ub_t);

@@ -73,10 +73,10 @@ static const float *grad_row_(const void *g, int bf16, int64_t r, int64_t C, flo
  * write and read per entry more than recomputing it from g and the buffer, which pass 3 reads anyway).
  * pr/ar: MONA's G_prev and A rows (read only here; NULL without MONA). gss (want_g, a compile-time
  * constant): also Σ g² (fp32), in the same loop — the spike guard's sum and the row's finiteness test. */
-static inline __attribute__((always_inline)) double row_msq_(const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate,
-                       float one_m_mu, float mu, int nesterov, const int mona, const mona_t mo,
-                       const float *restrict pr, const float *restrict ar, int bf16, int *big,
-                       const int want_g, float *gss) {
+static inline __attribute__((always_inline)) double row_msq_(
+        const float *restrict gr, const float *restrict bo, int64_t C, float s, int gate, float one_m_mu, float mu,
+        int nesterov, const int mona, const mona_t mo, const float *restrict pr, const float *restrict ar, int bf16,
+        int *big, const int want_g, float *gss) {
     float part = 0.0f, gpart = 0.0f, achk = 0.0f;
     int ov = 0; /* counted in pass 3, which writes */
 #pragma omp simd reduction(+ : part, ov, gpart, achk)
@@ -151,9 +151,10 @@ static double row_msq_checked_(const float *restrict gr, const float *restrict b
  * difference from the double product, below bf16's resolution), else in double (‖M‖ beyond fp32's
  * range). inv == 1 writes M itself (the KL-Shampoo input, normalised after preconditioning). Returns the
  * row's moment-overflow count (0 unless gated). */
-static inline __attribute__((always_inline)) int row_update_(const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s,
-                        int gate, float one_m_mu, float mu, int nesterov, double inv, const int mona,
-                        const mona_t mo, float *restrict pr, float *restrict ar, int bf16) {
+static inline __attribute__((always_inline)) int row_update_(
+        const float *restrict gr, float *restrict b, float *restrict x, int64_t C, float s, int gate, float one_m_mu,
+        float mu, int nesterov, double inv, const int mona, const mona_t mo, float *restrict pr, float *restrict ar,
+        int bf16) {
     const int narrow = inv == 0.0 || (inv > 1e-37 && inv < 1e37);
     const float inv_f = (float)inv;
     int ov = 0;
