@@ -84,7 +84,7 @@ def v_only_run(cls, n, pos, dtype=torch.float32):
 def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, dtype=torch.float32, **kw):
     # Parameters, state and gradients whose magnitudes spread log-uniformly from 1e-30 to 10^top (gradients
     # after the first step: 10^top_grad), with random signs: some entries sit just under the bound of the
-    # AVX2 loop's early test (input_limit_ in scalar_avx2.h, at most clean_limit_ in scalar_step.c, which
+    # AVX2 loop's early test (input_limit_ in scalar_avx2.h, at most clean_limit_ in scalar_entry.h, which
     # depends on lr and eps) and some just over it, and the largest overflow inside the step — for the AVX-512
     # loop, which tests the new values, the same runs put finite sums of huge terms beside overflowing ones.
     # A quarter of the entries get a (negative, finite) v that cancels the coming g², so the new v is about 0

@@ -53,8 +53,8 @@ __all__ = ["library", "failure", "record_step", "record_pack", "Int64Array", "SO
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_avx2.h",
            _DIR / "scalar_bf16.h", _DIR / "scalar_avx512_bf16.h", _DIR / "scalar_avx2_bf16.h",
-           _DIR / "scalar_step.c", _DIR / "record_step.c", _DIR / "spectral_rows.h", _DIR / "spectral_pre.c",
-           _DIR / "spectral_post.c")
+           _DIR / "scalar_entry.h", _DIR / "scalar_step.c", _DIR / "record_step.c", _DIR / "spectral_rows.h",
+           _DIR / "spectral_pre.c", _DIR / "spectral_post.c")
 _BASE_FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 # Tried in order: the first that compiles wins.
 # Without OpenMP, -fopenmp-simd still honours the loops' `#pragma omp simd reduction` (compile-time only, no

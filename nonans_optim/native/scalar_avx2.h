@@ -1,4 +1,4 @@
-/* The AVX2 form of scalar_step.c's update_block, for CPUs without AVX-512 (compiled in where -march=native
+/* The AVX2 form of scalar_entry.h's update_block, for CPUs without AVX-512 (compiled in where -march=native
  * gives AVX2 and scalar_avx512.h is not compiled in; NONANS_NATIVE_SIMD=avx2 selects it on an AVX-512 CPU
  * too, so that tests/test_native_simd.py can compare it with the portable build there as well).
  *
@@ -148,7 +148,7 @@ static inline y8hyper_t y8hyper_make_(float s, float lr, float wdf, float lrc, f
     return k;
 }
 
-/* update_block (scalar_step.c) for [b0, b1), same arguments and counts. Under a gate with a bound, each
+/* update_block (scalar_entry.h) for [b0, b1), same arguments and counts. Under a gate with a bound, each
  * group of 32 entries is tested on its inputs (input_limit_) and then computed and stored vector by vector,
  * or, when it fails, computed by the portable gated loop; without a bound (eps = 0), each vector's new v,
  * y (and z) are tested before they are stored. "off" computes and stores. The tail and held or kept-whole

@@ -1,4 +1,4 @@
-/* The AVX-512 form of scalar_step.c's update_block and of pass 1's sum of squares (see simd_avx512.h for
+/* The AVX-512 form of scalar_entry.h's update_block and of pass 1's sum of squares (see simd_avx512.h for
  * when it is compiled in, and why intrinsics). The portable update loop ran 1.7x (AdamW) and 2.5x
  * (SFAdamW) its "off" loop on cache-resident data; this one about 1.05–1.1x (a C driver over 262K
  * entries, one thread), and 1.00–1.03x once it tested vectors in pairs with the lerp form fixed at
@@ -13,7 +13,7 @@
  * to 1.026 (SFAdamW) with 2 threads, 1.038 to 1.034 and 1.058 to 1.052 with one; so the quads test late.
  *
  * Pass 1's sum of squares runs four independent vector accumulators (one chain was latency-bound), the
- * 64 lanes of scalar_step.c's sumsq_portable, added in the same order — the guard's scale, and so every
+ * 64 lanes of scalar_entry.h's sumsq_portable, added in the same order — the guard's scale, and so every
  * value a step with a triggered guard writes, is the same in both builds. */
 #ifndef NONANS_SCALAR_AVX512_H
 #define NONANS_SCALAR_AVX512_H
@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void arith_(
     if (sf) mn = gated ? _mm512_maskz_mov_ps((__mmask16)~gbad, gs) : gs; /* a missing entry moves nothing */
     else mn = vlerp_(mo, gated ? _mm512_mask_blend_ps(gbad, gs, mo) : gs, k->w, k->one_m_w, k->small_w);
     if (gated) { /* new v or (AdamW) new m not finite: a missing observation, both moments kept, the
-                  * entry moves nothing in z (scalar_step.c's update_block); it counts once */
+                  * entry moves nothing in z (scalar_entry.h's update_block); it counts once */
         __mmask16 miss = _mm512_fpclass_ps_mask(vn, NONFINITE_) & lm;
         if (!sf) miss |= _mm512_fpclass_ps_mask(mn, NONFINITE_) & lm;
         vn = _mm512_mask_blend_ps(miss, vn, vo);
@@ -259,7 +259,7 @@ static inline vhyper_t vhyper_make_(float s, float lr, float wdf, float lrc, flo
     return k;
 }
 
-/* update_block (scalar_step.c) for [b0, b1), same arguments and counts. */
+/* update_block (scalar_entry.h) for [b0, b1), same arguments and counts. */
 static inline __attribute__((always_inline)) void update_block_avx512(
         const int sf, const int gate, const int clean, const int decay_z,
         float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
@@ -284,7 +284,7 @@ static inline __attribute__((always_inline)) void update_block_avx512(
     c[0] += gn; c[1] += gb; c[2] += vb - gb; c[3] += un; c[4] += ub;
 }
 
-/* sumsq_portable (scalar_step.c) in intrinsics: the same 64 lanes, the same order of additions. */
+/* sumsq_portable (scalar_entry.h) in intrinsics: the same 64 lanes, the same order of additions. */
 static inline float sumsq_avx512(const float *restrict g, int64_t b0, int64_t b1) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t j = b0;

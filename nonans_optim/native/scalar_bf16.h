@@ -1,4 +1,4 @@
-/* The bf16 form of scalar_step.c's update_block under a gate: test the inputs, then run the stock loop.
+/* The bf16 form of scalar_entry.h's update_block under a gate: test the inputs, then run the stock loop.
  *
  * Why: the gated loop (update_block_t_ with bf = 1) selects and counts per entry, and the bf16 step is
  * bound by its arithmetic (two divisions and a square root per entry, the conversions), not by memory, so
