@@ -51,7 +51,7 @@ QUESTIONS: dict[str, tuple[str, str, Callable[[], dict], Callable[[], dict], Cal
     "q7": ("Muon on 4-D conv kernels by reshape", "Does reshaping (out, in, kh, kw) → (out, in·kh·kw) work?",
            run_q7, lambda: run_q7(seeds=1, steps=6, tune_steps=4, lrs=(1e-3, 1e-2), width=4), render_q7),
     "q8": ("Schedule-free under ≥16 micro-batches of gradient accumulation", "Do curves stay normal?",
-           run_q8, lambda: run_q8(micro=(1, 4, 16), steps=4), render_q8),
+           run_q8, lambda: run_q8(micro=(1, 4, 16), steps=4, seeds=(0,)), render_q8),
     "claims": ("FusionOpt's claims", "fp16 NS5 NaNs above ~256²; KL-Shampoo alone diverges; AdamW + diversity NaNs",
                run_shampoo_alone, lambda: run_shampoo_alone(steps=5, seeds=1, lrs=(3e-3,)), render_shampoo_alone),
 }
@@ -87,9 +87,9 @@ def _plot(name: str, data: dict[str, Any], path: Path) -> None:
         a.set(xlabel="forward FLOPs / sample", ylabel="val velocity MSE")
     elif name == "q8":
         for o, runs in data["runs"].items():
-            for k, r in runs.items():
-                a.plot(r["curve"], label=f"{o} ×{k}", alpha=0.7)
-        a.set(xlabel="eval point", ylabel="val loss")
+            for k, rs in runs.items():
+                a.plot(rs[0]["curve"], label=f"{o} ×{k}", alpha=0.7)
+        a.set(xlabel=f"eval point (seed {data['config']['seeds'][0]})", ylabel="val loss")
     elif name in ("q3", "q7", "claims"):
         rs = (data["runs"] if isinstance(data["runs"], list)
               else [dict(arm=k, **r) for k, v in data["runs"].items() for r in v])
