@@ -20,8 +20,8 @@ from . import questions_verdicts as V
 from .questions_accum import render_q8, run_q8
 from .questions_cache import render_q6, run_q6
 from .questions_claims import render_shampoo_alone, run_shampoo_alone
+from .questions_fp16_train import render_q2_all, run_q2_with_training
 from .questions_io import RESULTS, ROOT, new_figure, read_json, replace_section, save_figure, write_json
-from .questions_numerics import render_q2, run_q2
 from .questions_polyak import plot_polyak, render_polyak, run_polyak
 from .questions_scale import render_q1, render_q4, run_q1, run_q4
 from .questions_train import Q3_ARMS as V_ARMS, render_q3, render_q7, run_q3, run_q7
@@ -36,7 +36,10 @@ QUESTIONS: dict[str, tuple[str, str, Callable[[], dict], Callable[[], dict], Cal
            run_q1, lambda: run_q1(widths=(16, 32), seeds=1, steps=8, batch=4), render_q1),
     "q2": ("fp16 NS5: where it fails, and whether a rescale helps",
            "At what matrix size does fp16 NS5 NaN, and does a fused rescale change the picture?",
-           run_q2, lambda: run_q2(sizes=(64, 128), scales=(1e-8, 1.0, 1e4), real_max=64), render_q2),
+           run_q2_with_training,
+           lambda: run_q2_with_training(sizes=(64, 128), scales=(1e-8, 1.0, 1e4), real_max=64,
+                                        train={"tasks": ("digits",), "steps": 3}),
+           render_q2_all),
     "q3": ("Does 'Full Fusion survives negative losses' generalise?",
            "AdamW NaNs, SF-NorMuon goes incoherent, warm Full Fusion stays structured — on another architecture?",
            run_q3, lambda: run_q3(seeds=1, steps=10, ref_steps=10, arms={k: V_ARMS[k] for k in ("AdamW", "Full")}),

@@ -60,8 +60,41 @@ def v_q2(d: dict[str, Any]) -> str:
             f"{size_txt}. Our fp32 normalisation before the cast failed in "
             f"{len(ours_fail)} cases (fp16 and fp16_safe). **GPU part:** the timing of the fused-rescale "
             "`ns5_iterate_fp16_safe` against the unfused sequence and plain fp16/bf16 comes from `python -m "
-            "experiments kernels` on a GPU (below, once run there); still to do: the trace in training with and "
-            "without Shampoo.")
+            "experiments kernels` on a GPU (below, once run there)"
+            + (f". {q2_train(d['train'])}" if "train" in d else "; still to do: the trace in training with and "
+               "without Shampoo."))
+
+
+def q2_train(train: dict[str, Any]) -> str:
+    """Q2's training trace (experiments/questions_fp16_train.py) in one paragraph, every clause computed."""
+    from .questions_fp16_train import summary, trace_rows
+    runs = [(r, summary(r)) for r in train["runs"]]
+    n = sum(s["inputs"] for _, s in runs)
+    broke = sum(s["naive_broke"] for _, s in runs)
+    stages = sorted({k for _, s in runs for k in s["stages"] if k != "ok"})
+    fro = {shampoo: max((s["fro_max"] for r, s in runs if ("Shampoo" in r["arm"] or r["arm"] == "FullFusion")
+                         == shampoo), default=float("nan")) for shampoo in (False, True)}
+    amax = max(s["amax_max"] for _, s in runs)
+    bad = sum(s["ours_nonfinite"] for _, s in runs)
+    worst_flush = max(runs, key=lambda rs: rs[1]["ours_flushed_max"])
+    flushed = [x["ours_rel_err"] for r, _ in runs for x in trace_rows(r) if x["ours_flushed"] > 0.01]
+    clean = [x["ours_rel_err"] for r, _ in runs for x in trace_rows(r) if x["ours_flushed"] <= 0.01]
+    c = train["config"]
+    flush_txt = (f"inputs with more than 1% flushed had a worst error of {max(flushed):.1e} against {max(clean):.1e} "
+                 "for the others" if flushed and clean else "no input had more than 1% flushed")
+    return (f"**In training** ({', '.join(c['tasks'])}; {c['steps']} steps of {', '.join(c['arms'])} with "
+            f"`ns5_dtype=\"fp16\"`): the naive fp16 NS5 would have broken on {broke}/{n} NS5 inputs"
+            + (f" ({', '.join(stages)})" if stages else "")
+            + f". The largest ‖M‖_F was {fro[False]:.1e} without KL-Shampoo and {fro[True]:.1e} with it "
+            f"(preconditioning raised it {fro[True] / fro[False]:.1f}x), the largest entry {amax:.1e}: "
+            + ("far below" if max(fro.values()) < 65504 / 100 else "within 100x of" if max(fro.values()) < 65504
+               else "above")
+            + " fp16's 65504"
+            + (", so in these runs the foil's overflow stages were not reached" if not broke else "")
+            + f". Our path's output was non-finite on {bad} inputs. After our normalisation an entry smaller than "
+            f"2⁻²⁴·‖M‖_F is below fp16's smallest subnormal: up to {100 * worst_flush[1]['ours_flushed_max']:.0f}% "
+            "of an input's non-zero entries "
+            f"({worst_flush[0]['arm']}, {worst_flush[0]['task']}) flushed to 0; {flush_txt} (relative to fp32 NS5).")
 
 
 def q2_gpu(kernels: dict[str, Any] | None) -> str:
