@@ -66,6 +66,20 @@ def checkout_commit(*paths: str) -> str:
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; ``platform.processor()`` elsewhere), for the machine line of a
+    published table: the same seed gave different bench outcomes on two 2-core machines (2026-11-27), and
+    timings differ more, so a number names the CPU it came from."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def at_commit(env: dict[str, Any]) -> str:
     """" at commit <c>" for a rendered "measured <date>", where the run recorded one (runs since 2026-11-26;
     older JSON renders as it did)."""

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.questions_io import at_commit, checkout_commit, publish
+from experiments.questions_io import at_commit, checkout_commit, cpu_model, publish
 
 import nonans_optim as no
 from nonans_optim._checkpoint import GLOBAL_KEY
@@ -42,15 +42,7 @@ LR = 1e-3
 
 # ----------------------------------------------------------------------------------------- shared helpers
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in open("/proc/cpuinfo", encoding="ascii", errors="ignore"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+    info = {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "loadavg_start": list(os.getloadavg()),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": checkout_commit()}

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from experiments.questions_io import at_commit, checkout_commit
+from experiments.questions_io import at_commit, checkout_commit, cpu_model
 from nonans_optim.watch import watch
 
 VARIANTS = ("off", "watch", "anomaly")
@@ -105,7 +105,7 @@ def measure(name: str, model, inp, loss_fn, rounds: int, steps: int, variants) -
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    return {"platform": platform.platform(), "processor": cpu_model(),
             "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "commit": checkout_commit()}

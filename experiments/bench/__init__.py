@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from experiments.questions_io import checkout_commit
+from experiments.questions_io import checkout_commit, cpu_model
 
 from .arms import OURS_ARMS, STOCK_ARMS, peer_arms, peer_status
 from .harness import run_arm
@@ -30,8 +30,8 @@ __all__ = ["main", "run_group", "machine"]
 
 
 def machine() -> dict:
-    return dict(platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
-                cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
+    return dict(cpu=cpu_model(), platform=platform.platform(), python=platform.python_version(),
+                torch=torch.__version__, cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
                 cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), commit=checkout_commit())
 

@@ -79,7 +79,8 @@ def render_markdown(results: dict) -> str:
     lines = [
         "## Singularity benchmark (`python -m experiments bench`)", "",
         (f"Measured {m['date']}{at_commit(m)}. " if "date" in m else "")
-        + f"Machine: {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, size `{results['size']}`, "
+        + f"Machine: {m['cpu'] + ', ' if 'cpu' in m else ''}{m['platform']}, {m['cpu_count']} CPUs, torch "
+        f"{m['torch']}, size `{results['size']}`, "
         f"seed {results['seed']}, wall time {results['wall_s']:.0f} s. Peers: "
         + ", ".join(f"{k} ({v})" for k, v in results["peers"].items()) + ".", "",
         "| workload | baseline completes | baseline: 1st non-finite step / non-finite losses | clean ref | baseline "
