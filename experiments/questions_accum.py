@@ -92,7 +92,7 @@ DEFAULT_ARM, CONTROL_ARM = "sfnormuon", "sfnormuon (fp32 NS5, Polyak off)"
 
 
 def run_q8(micro=(1, 4, 16, 64), steps: int = 100, lr: float = 3e-3, global_batch: int = 64,
-           seeds=(0, 1, 2), optimizers=tuple(Q8_OPTIMIZERS)) -> dict[str, Any]:
+           seeds=(0, 1, 2, 3, 4), optimizers=tuple(Q8_OPTIMIZERS)) -> dict[str, Any]:
     """``runs[arm][str(k)]``: one result per seed, in ``config["seeds"]`` order."""
     out: dict[str, Any] = {"config": {"micro": list(micro), "steps": steps, "lr": lr, "global_batch": global_batch,
                                       "seeds": list(seeds)},
