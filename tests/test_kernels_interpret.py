@@ -280,9 +280,11 @@ if INTERPRETED:
         assert not (tmp_path / "R.md").exists()
         assert set(data["targets"]["met"]) == set(bench.TARGETS)
 else:
-    def test_interpreter_suite():
-        """Run the cases above under TRITON_INTERPRET=1 in a fresh process (see the module docstring)."""
-        assert_interpreted_suite_passes(__file__, timeout=900)
+    @pytest.mark.parametrize("shard", range(2))
+    def test_interpreter_suite(shard):
+        """Run the cases above under TRITON_INTERPRET=1 in fresh processes (see the module docstring), in two
+        shards (tests/interpreted.py: the whole suite took 164 s, a long tail for CI's two workers)."""
+        assert_interpreted_suite_passes(__file__, timeout=900, shard=(shard, 2))
 
     def test_package_works_without_triton():
         """With triton unimportable, ``nonans_optim.kernels`` still imports and says so; ns5 falls back."""

@@ -705,9 +705,11 @@ if INTERPRETED:
      test_guard_scale_floor, test_z_overflow_alone, test_one_launch_matches_loop,
      test_one_launch_failure_falls_back, test_zero_gradient_leaves_the_guard_ema) = _define("cpu")
 else:
-    def test_interpreter_suite():
-        """Run the cases under TRITON_INTERPRET=1 in a fresh process (see test_kernels_interpret.py)."""
-        assert_interpreted_suite_passes(__file__, timeout=600)
+    @pytest.mark.parametrize("shard", range(2))
+    def test_interpreter_suite(shard):
+        """Run the cases under TRITON_INTERPRET=1 in fresh processes (see test_kernels_interpret.py), in two
+        shards (tests/interpreted.py: the whole suite took 206 s, a long tail for CI's two workers)."""
+        assert_interpreted_suite_passes(__file__, timeout=600, shard=(shard, 2))
 
     def test_cpu_tensors_are_not_supported_without_the_interpreter():
         from nonans_optim.kernels.scalar_step import supported

@@ -458,11 +458,11 @@ if INTERPRETED:
      test_kl_batched_matches_loop, test_update_overflow_counts, test_bf16_buffer_overflow_as_stored,
      test_direction_whose_squares_overflow) = _define("cpu")
 else:
-    @pytest.mark.parametrize("shard", range(2))
+    @pytest.mark.parametrize("shard", range(3))
     def test_interpreter_suite(shard):
-        """Run the cases under TRITON_INTERPRET=1 in fresh processes (see test_kernels_interpret.py), in two
+        """Run the cases under TRITON_INTERPRET=1 in fresh processes (see test_kernels_interpret.py), in three
         shards: the whole suite took 379 s, so on CI's two workers one ran it alone at the end."""
-        assert_interpreted_suite_passes(__file__, timeout=600, shard=(shard, 2))
+        assert_interpreted_suite_passes(__file__, timeout=600, shard=(shard, 3))
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
