@@ -17,10 +17,9 @@ control arm (fp32 NS5, Polyak off) separates "accumulation changes the algorithm
 Which of the two amplifies (the published run of 2026-11-25 changed both at once, on one seed): SF-NorMuon
 in a 2x2 of NS5 dtype (bf16, the default, or fp32) and Polyak (on, the default, or off), plus Polyak off
 with a 10x lr — the step a saturated clamp takes without the Polyak rule — in bf16 and fp32 NS5, each on
-``seeds``. The rule,
-fixed before the run (:func:`attribution`): an arm that changes one thing from the default "removes" the
-default's drift when its mean drift over the seeds is at most a tenth of the default's, "leaves" it when
-at least half, and "reduces" it in between.
+``seeds``. The rule, fixed before the run (:func:`attribution`): an arm that changes one thing from the
+default "removes" the default's drift when its mean drift over the seeds is at most a tenth of the
+default's, "leaves" it when at least half, and "reduces" it in between.
 """
 from __future__ import annotations
 
