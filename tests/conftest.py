@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(config, items):
         from interpreted import shard_of
         items[:], deselected = shard_of(items, shard)
         config.hook.pytest_deselected(items=deselected)
-    # The long tests first (a stable sort: the rest keep their order). pytest-xdist hands the first items out
-    # to the workers in turn, so both start on long tests and the short ones fill in at the end; in file
+    # The long tests first (a stable sort: the rest keep their order), handed out two at a time
+    # (pytest_configure): both workers start on long tests and the short ones fill in at the end. In file
     # order the native builds and the smoke runs came last, and one worker ran them alone for the last
     # minutes of CI (12 min 00 s with 93% done at about 9 1/2).
     items.sort(key=lambda item: not _runs_long(item))
@@ -57,6 +57,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """pytest-xdist's "load" mode first gives each worker a quarter of its share of the suite as one
+    consecutive run of tests, so the long tests sorted to the front would all go to the first worker, one
+    after another (tried: a spectral shard started 9 minutes in). ``--maxschedchunk 1`` (unless given) makes
+    it hand out two tests per worker and then one at a time as each finishes."""
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
 
 
 def pytest_sessionfinish(session, exitstatus):
