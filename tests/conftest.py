@@ -35,37 +35,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _runs_long(item) -> bool:
-    """Tests of tens of seconds to minutes: marked ``slow``, or an interpreter suite's shard."""
-    return item.get_closest_marker("slow") is not None or getattr(item, "originalname", "") == "test_interpreter_suite"
-
-
 def pytest_collection_modifyitems(config, items):
     shard = os.environ.get("NONANS_TEST_SHARD")  # set by tests/interpreted.py for one shard of a suite
     if shard:
         from interpreted import shard_of
         items[:], deselected = shard_of(items, shard)
         config.hook.pytest_deselected(items=deselected)
-    # The long tests first (a stable sort: the rest keep their order), handed out two at a time
-    # (pytest_configure): both workers start on long tests and the short ones fill in at the end. In file
-    # order the native builds and the smoke runs came last, and one worker ran them alone for the last
-    # minutes of CI (12 min 00 s with 93% done at about 9 1/2).
-    items.sort(key=lambda item: not _runs_long(item))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def pytest_configure(config):
-    """pytest-xdist's "load" mode first gives each worker a quarter of its share of the suite as one
-    consecutive run of tests, so the long tests sorted to the front would all go to the first worker, one
-    after another (tried: a spectral shard started 9 minutes in). ``--maxschedchunk 1`` (unless given) makes
-    it hand out two tests per worker and then one at a time as each finishes."""
-    if getattr(config.option, "maxschedchunk", 0) is None:
-        config.option.maxschedchunk = 1
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -93,7 +93,6 @@ def test_stock_kl_shampoo_is_unnormalised():
     torch.testing.assert_close(w.detach(), w0 - 0.01 * g2, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.slow  # compiles or runs a subprocess: started first (tests/conftest.py)
 def test_bench_cli_with_empty_results_md_writes_json_and_leaves_markdown(tmp_path):
     """``--results-md ''`` means "do not render", as for every other experiment (it used to crash after the
     whole run, writing to the directory '.')."""

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,7 +32,6 @@ def test_unknown_stage_is_refused_before_anything_runs():
     assert "==" not in proc.stdout
 
 
-@pytest.mark.slow  # compiles or runs a subprocess: started first (tests/conftest.py)
 def test_stage_commands_parse():
     """Each experiment stage's arguments parse with that experiment's own argparse (``--help`` lists them),
     and the tests stage's marker is registered."""

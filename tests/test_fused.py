@@ -165,7 +165,6 @@ def test_unavailable_kernel_warns_once_and_runs_compiled(monkeypatch):
         assert torch.equal(p, q)
 
 
-@pytest.mark.slow  # compiles or runs a subprocess: started first (tests/conftest.py)
 def test_builds_into_a_fresh_cache_and_reports_a_broken_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("NONANS_CACHE_DIR", str(tmp_path / "ok"))
     lib = native.library.__wrapped__()

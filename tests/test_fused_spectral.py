@@ -90,7 +90,6 @@ def test_a_group_keeps_one_workspace_set_when_its_gradient_set_changes():
     assert group is opt.param_groups[0]
 
 
-@pytest.mark.slow  # compiles or runs a subprocess: started first (tests/conftest.py)
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def test_a_build_without_openmp_sums_rows_in_the_same_order(tmp_path, monkeypatch):
     """A compiler without OpenMP gets ``-fopenmp-simd``, so the row sums' ``omp simd reduction`` keeps the

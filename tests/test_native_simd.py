@@ -209,7 +209,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8) if t.is_floating_point() else t
 
 
-@pytest.mark.slow  # compiles or runs a subprocess: started first (tests/conftest.py)
 @pytest.mark.parametrize("simd, width", SIMD_BUILDS, ids=[b[0] for b in SIMD_BUILDS])
 def test_simd_build_writes_the_portable_bits(tmp_path, simd, width):
     fast, portable = _dump(tmp_path, simd), _dump(tmp_path, "portable")
