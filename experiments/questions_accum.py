@@ -27,9 +27,9 @@ import statistics
 from typing import Any
 
 import torch
-from nonans_optim.functional.polyak import CLAMP
 
 from .questions_io import fmt, mean_sd, md_table
+from .questions_polyak import clamp_fractions
 from .tasks import make_optimizer, make_task
 
 __all__ = ["run_q8", "render_q8", "drifts", "attribution", "Q8_OPTIMIZERS"]
@@ -47,7 +47,7 @@ def _one(opt_name: str, k: int, steps: int, lr: float, global_batch: int, seed: 
     task = make_task("digits", seed, batch=global_batch)
     opt = make_optimizer(opt_name, task.model, lr, **(kwargs or {}))
     g = torch.Generator().manual_seed(10_000 + seed)
-    curve, acc_losses, last_losses, moved, at_clamp = [], [], [], 0, 0
+    curve, acc_losses, last_losses, moved, mults = [], [], [], 0, []
     params = list(task.model.parameters())
     for step in range(steps + 1):
         if step % max(1, steps // 10) == 0 or step == steps:
@@ -70,11 +70,12 @@ def _one(opt_name: str, k: int, steps: int, lr: float, global_batch: int, seed: 
         opt.step()
         opt.zero_grad(set_to_none=True)
         mult = opt.metrics().get("fusion/gamma_mult")
-        at_clamp += mult is not None and mult >= CLAMP[1]
+        if mult is not None:
+            mults.append(mult)
     m = opt.metrics()
     return {"curve": curve, "moved_between_micro_steps": moved, "loss_ema": m.get("fusion/loss_ema"),
             "loss_ema_recomputed": _ema(acc_losses), "loss_ema_if_last_micro": _ema(last_losses),
-            "at_upper_clamp": at_clamp / steps if "fusion/gamma_mult" in m else None}
+            "at_upper_clamp": clamp_fractions(mults)["at_high"] if mults else None}
 
 
 #: label -> (optimizer, kwargs, lr multiplier). "sfnormuon" is the default (bf16 NS5, Polyak on); each

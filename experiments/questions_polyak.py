@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from nonans_optim.functional.polyak import CLAMP
 
 from .questions_io import fmt, md_table, mean_sd, wandb_run
 from .tasks import make_task, train
@@ -29,7 +30,7 @@ from .tasks import make_task, train
 __all__ = ["run_polyak", "render_polyak", "RelativePolyak", "clamp_fractions"]
 
 WORKLOADS = {"charlm": {"d": 32, "batch": 16}, "digits": {"width": 8}}
-LO, HI = 0.1, 10.0
+LO, HI = CLAMP
 
 
 class RelativePolyak:
