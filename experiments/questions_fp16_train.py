@@ -113,7 +113,12 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
             "ours_flushed_max": max(x["ours_flushed"] for x in t),
             "ours_nonfinite": sum(not x["ours_finite"] for x in t),
             "ours_err_median": statistics.median(x["ours_rel_err"] for x in t),
-            "ours_err_max": max(x["ours_rel_err"] for x in t)}
+            "ours_err_max": max(x["ours_rel_err"] for x in t),
+            # what a flush costs: the worst error of the inputs with more than 1% of entries flushed, and of
+            # the rest (None where there are none)
+            "ours_err_max_flushed": max((x["ours_rel_err"] for x in t if x["ours_flushed"] > 0.01), default=None),
+            "ours_err_max_unflushed": max((x["ours_rel_err"] for x in t if x["ours_flushed"] <= 0.01),
+                                          default=None)}
 
 
 def render_q2_train(data: dict[str, Any]) -> str:

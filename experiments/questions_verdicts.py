@@ -67,7 +67,7 @@ def v_q2(d: dict[str, Any]) -> str:
 
 def q2_train(train: dict[str, Any]) -> str:
     """Q2's training trace (experiments/questions_fp16_train.py) in one paragraph, every clause computed."""
-    from .questions_fp16_train import summary, trace_rows
+    from .questions_fp16_train import summary
     runs = [(r, summary(r)) for r in train["runs"]]
     n = sum(s["inputs"] for _, s in runs)
     broke = sum(s["naive_broke"] for _, s in runs)
@@ -77,8 +77,8 @@ def q2_train(train: dict[str, Any]) -> str:
     amax = max(s["amax_max"] for _, s in runs)
     bad = sum(s["ours_nonfinite"] for _, s in runs)
     worst_flush = max(runs, key=lambda rs: rs[1]["ours_flushed_max"])
-    flushed = [x["ours_rel_err"] for r, _ in runs for x in trace_rows(r) if x["ours_flushed"] > 0.01]
-    clean = [x["ours_rel_err"] for r, _ in runs for x in trace_rows(r) if x["ours_flushed"] <= 0.01]
+    flushed = [s["ours_err_max_flushed"] for _, s in runs if s["ours_err_max_flushed"] is not None]
+    clean = [s["ours_err_max_unflushed"] for _, s in runs if s["ours_err_max_unflushed"] is not None]
     c = train["config"]
     flush_txt = (f"inputs with more than 1% flushed had a worst error of {max(flushed):.1e} against {max(clean):.1e} "
                  "for the others" if flushed and clean else "no input had more than 1% flushed")
