@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import settings
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/optim_infos.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/optim_infos.py, tests/interpreted.py
+from interpreted import SHARD_ENV, shard_of  # noqa: E402 (found through the line above)
 # Experiments log to wandb offline whenever it is installed; the tests check results, not logging.
 os.environ.setdefault("NONANS_WANDB", "0")
 
@@ -36,9 +37,8 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    shard = os.environ.get("NONANS_TEST_SHARD")  # set by tests/interpreted.py for one shard of a suite
+    shard = os.environ.get(SHARD_ENV)  # set by tests/interpreted.py for one shard of a suite
     if shard:
-        from interpreted import shard_of
         items[:], deselected = shard_of(items, shard)
         config.hook.pytest_deselected(items=deselected)
     if torch.cuda.is_available():
