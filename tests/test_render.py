@@ -164,7 +164,7 @@ def test_runs_record_the_commit_they_measured_and_sections_name_it():
     most JSON without one: which tables were stale could not be read off them)."""
     import json
 
-    from experiments import overhead, simd, step_time
+    from experiments import overhead_render, simd, step_time
     from experiments.bench import machine
     from experiments.questions_io import checkout_commit, environment
 
@@ -172,7 +172,7 @@ def test_runs_record_the_commit_they_measured_and_sections_name_it():
     if (ROOT / ".git").exists():  # a git checkout (CI's is); a source tarball records "unknown"
         assert commit != "unknown" and commit.split("+")[0].isalnum()
     assert environment()["commit"] == step_time.machine_info()["commit"] == machine()["commit"] == commit
-    for module, name in ((overhead, "overhead.json"), (simd, "simd.json"), (step_time, "step_time.json")):
+    for module, name in ((overhead_render, "overhead.json"), (simd, "simd.json"), (step_time, "step_time.json")):
         data = json.loads((ROOT / "results" / name).read_text())
         data["machine"].pop("commit", None)  # as a run before 2026-11-26 recorded it
         assert " at commit " not in module.render(data)  # older JSON renders as it did
@@ -188,7 +188,7 @@ def test_cpu_verdicts_judge_every_row_and_say_what_noise_does_not_resolve():
     the run at 21ea8a2). Judged on the published run, whose rows the assertions read rather than pin."""
     import json
 
-    from experiments import overhead, simd
+    from experiments import overhead_render, simd
 
     data = json.loads((ROOT / "results" / "simd_avx512.json").read_text())
     text = simd.render(data)
@@ -199,7 +199,7 @@ def test_cpu_verdicts_judge_every_row_and_say_what_noise_does_not_resolve():
         label = f"{r['optimizer']} {r.get('dtype', 'fp32')} at {r['entries']:,} ({r['repair']['median']:.4f})"
         assert (label in text) == (r in over), label
     data = json.loads((ROOT / "results" / "overhead.json").read_text())
-    text = overhead.render(data)
+    text = overhead_render.render(data)
     controlled = {c["optimizer"]: c["same_tensors"]["median"] for c in data["controls"]}
     loose = 0
     for r in data["rows"]:
@@ -207,7 +207,7 @@ def test_cpu_verdicts_judge_every_row_and_say_what_noise_does_not_resolve():
         if name in controlled:  # a row with controls is judged on them, with no quartile note
             assert f"{name} ({100 * (controlled[name] - 1):+.1f}%, controls)" in text
             continue
-        lower, upper = overhead._paired_quartiles(data, name)
+        lower, upper = overhead_render.paired_quartiles(data, name)
         label = f"{name} ({100 * (median - 1):+.1f}%"
         if median <= 1.02 and upper > 1.02:
             loose += 1
