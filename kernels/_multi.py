@@ -118,7 +118,7 @@ def _add_count(ROW, OFFSET: tl.constexpr, n):
 # block runs the max's alone — and it skips the expansion, which is most of the counting's instructions
 # (the gated variant compiles to 2456 SASS instructions, off 1512: kernel-static as published at 55a6a4c;
 # 1720 without counts: a scratch cuobjdump, 2026-11-26, commit 989996a, not published). Since then the update
-# speculates (scalar_step._speculative_block: the "AdamW, repair" row, 80 registers, three blocks per SM as
+# speculates (scalar_update._speculative_block: the "AdamW, repair" row, 80 registers, three blocks per SM as
 # "off"; results/kernel_static.json), and the counts are packed only where it recomputes. Every count above is
 # triton 3.9's compile; the GPU image's triton 3.6 allocates differently (its own kernel-static section,
 # results/kernel_static_triton-3.6.json, "AdamW, repair": 904171a's gated update 173 registers, one block per

@@ -259,7 +259,7 @@ def _write_block(ADDR, MONA_ADDR, t, start, idx, mask, HP, s, inv, keep_all, NES
 def _write_speculative(ADDR, MONA_ADDR, t, start, rem, HP, s, inv, keep_all, NESTEROV: tl.constexpr,
                        MONA: tl.constexpr, G_TY: tl.constexpr, BUF_TY: tl.constexpr, X_TY: tl.constexpr,
                        ALIGNED: tl.constexpr, EMULATE: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
-    """A gated block of the write kernel as "off" computes it, verified (scalar_step._speculative_block's
+    """A gated block of the write kernel as "off" computes it, verified (scalar_update._speculative_block's
     method): the stock momentum, one test of the new buffer as stored — a non-finite g makes it non-finite,
     and so does MONA's A where it overflows (G + α·A feeds the buffer), and a value that rounds to ±Inf in
     a bf16 buffer — and the stores, unless the test fails or the tensor is kept whole ("skip"): then the
