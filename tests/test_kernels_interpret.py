@@ -166,8 +166,59 @@ SHAPES = [(3, 40, 72), (1, 5, 9), (2, 33, 33)]  # ragged vs 16/32 interpreter ti
 GPU_SHAPES = [(3, 200, 520), (2, 256, 256), (1, 70, 1030)]  # ragged vs 64/128 tiles
 
 if INTERPRETED:
+    import interpreter_patches
+    import triton
+    import triton.language as tl  # a module global: the interpreter finds the language in a kernel's globals
     from hypothesis import given, settings
     from hypothesis import strategies as st
+
+    @triton.jit
+    def _helper(x):
+        return x * 2.0 + tl.abs(x)
+
+    @triton.jit
+    def _helper_loop(X, Y, N, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for i in range(N):
+            acc += _helper(tl.load(X + i * BLOCK + offs))
+        tl.store(Y + offs, acc + tl.sum(acc, axis=0))  # tl.sum: a helper of tl.standard (tl.core's globals)
+
+    def test_language_patches_are_shared_per_launch(monkeypatch):
+        """tests/interpreter_patches.py (installed by conftest): a launch patches triton.language once
+        however many helper calls it makes — stock Triton patches again at every call — and computes exactly
+        what stock patching computes."""
+        from triton.runtime import interpreter
+
+        assert interpreter_patches.installed(), (
+            f"triton {triton.__version__}: tests/interpreter_patches.py no longer applies to this interpreter "
+            "(the interpreter suites run 2-3x slower without it): adapt it to the new version")
+        n, block = 7, 16
+        x = torch.randn(n * block)
+        patched = []
+        stock = interpreter_patches._stock
+
+        def counted(fn):
+            patched.append(fn.__name__)
+            return stock(fn)
+
+        def run():
+            patched.clear()
+            y = torch.empty(block)
+            _helper_loop[(1,)](x, y, n, BLOCK=block)
+            return y, list(patched)
+
+        monkeypatch.setattr(interpreter_patches, "_stock", counted)
+        shared, shared_patches = run()
+        monkeypatch.setattr(interpreter, "_patch_lang", counted)  # stock Triton: every call patches
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", interpreter.GridExecutor.__call__._stock)
+        plain, plain_patches = run()
+        assert plain_patches.count("_helper") == n and shared_patches.count("_helper") == 0, (
+            plain_patches, shared_patches)
+        assert shared_patches[0] == plain_patches[0] == "_helper_loop" and len(shared_patches) <= 2
+        assert torch.equal(shared, plain)
+        acc = (x.view(n, block) * 2 + x.view(n, block).abs()).sum(0)
+        torch.testing.assert_close(shared, acc + acc.sum())
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("shape", SHAPES, ids=str)

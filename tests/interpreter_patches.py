@@ -1,0 +1,85 @@
+"""Make Triton's CPU interpreter patch ``triton.language`` once per launch instead of once per helper call.
+
+Why: under ``TRITON_INTERPRET=1`` every launch (``interpreter.GridExecutor.__call__``) replaces the
+builtins of ``triton.language`` with their interpreted versions and restores them afterwards — and so does
+every *call of a* ``@triton.jit`` *helper* inside the kernel (``InterpretedFunction.__call__`` calls
+``_patch_lang`` again, walking ``tl``, ``tl.tensor`` and ``tl.math`` with ``inspect.getmembers``). Our
+kernels are built from small helpers (a block, a row, a gate: ``kernels/scalar_update.py``,
+``kernels/spectral_step.py``), called per block and per loop iteration, so a profile of one spectral case
+(``case_clean_repair_is_off``, triton 3.9) spent about half its time in those repeated patches: 22,158
+helper calls for 45 launches. With this module the interpreter suites ran 2-3x faster (spectral suite
+318 s → 183 s, scalar-step and record 140 s → 57 s, interpret and elementwise 142 s → 50 s, on the 2-core
+CI-like machine of 2026-11-27), which is most of what kept CI over its ten minutes.
+
+Why it is safe: within one launch, a helper's re-patch installs the same replacements over the ones the
+launch (or an earlier helper of the same modules) already installed — the builtins are already replaced,
+so ``_patch_builtin`` skips them, and the tensor and core patches are equal closures — and its scope is
+discarded, never restored, in stock Triton too. So a helper call is skipped only when every language
+module its globals hold was already patched in this launch; anything new (``triton.language.core`` seen
+first by one of ``tl.standard``'s helpers, say) is patched exactly as stock Triton patches it. Nothing
+changes outside a launch. ``tests/test_kernels_interpret.py::test_language_patches_are_shared_per_launch``
+checks the outputs equal stock patching's and that a launch patches once.
+
+Test infrastructure only (installed by ``tests/conftest.py`` in interpreter subprocesses): the library never
+patches Triton.
+"""
+from __future__ import annotations
+
+import inspect
+
+_stock = None  # interpreter._patch_lang as Triton defines it (tests wrap it to count the real patches)
+_patched: set[int] | None = None  # ids of the language modules patched in the launch running now
+
+
+def _languages(fn) -> set[int]:
+    """The language modules ``_patch_lang`` patches for ``fn``: those among its globals (its own rule)."""
+    import triton.language as tl
+    return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+
+def _shared(fn):
+    global _patched
+    from triton.runtime import interpreter
+    langs = _languages(fn)
+    if _patched is not None and langs and langs <= _patched:
+        return interpreter._LangPatchScope()  # already in place for this launch: nothing to restore either
+    scope = _stock(fn)
+    if _patched is not None:
+        _patched |= langs
+    return scope
+
+
+def share_language_patches() -> bool:
+    """Install the sharing (idempotent); False, leaving Triton as it is, where its interpreter does not
+    have the pieces this relies on (then the suites run at stock speed, and the test says so)."""
+    global _stock
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    grid = getattr(interpreter, "GridExecutor", None)
+    if not all(hasattr(interpreter, n) for n in ("_patch_lang", "_LangPatchScope")) or grid is None:
+        return False
+    if getattr(grid.__call__, "_shares_patches", False):
+        return True
+    launch = grid.__call__
+
+    def call(self, *args, **kwargs):
+        global _patched
+        outer, _patched = _patched, set()  # a launch starts with nothing patched by it
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _patched = outer
+
+    call._shares_patches = True
+    call._stock = launch
+    _stock = interpreter._patch_lang
+    interpreter._patch_lang = _shared
+    grid.__call__ = call
+    return True
+
+
+def installed() -> bool:
+    from triton.runtime import interpreter
+    return getattr(interpreter.GridExecutor.__call__, "_shares_patches", False) and interpreter._patch_lang is _shared
