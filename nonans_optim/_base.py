@@ -1,7 +1,8 @@
-"""The shared Optimizer shell: lazy state, the global step, train()/eval(), set_loss(), metrics(), events
-and the resolution bookkeeping. No algorithm math lives here (see ``functional/`` and
-``optimizers/_scalar.py`` and ``optimizers/_spectral.py``); a group's admission and hyperparameter checks
-are in ``_groups.py``, the checkpoint side in ``_checkpoint.py``.
+"""The shared Optimizer shell: lazy state, the global step, train()/eval(), set_loss() and the resolution
+bookkeeping. No algorithm math lives here (see ``functional/`` and ``optimizers/_scalar.py`` and
+``optimizers/_spectral.py``); a group's admission and hyperparameter checks are in ``_groups.py``, the
+checkpoint side in ``_checkpoint.py``, a group's step size in ``_stepsize.py``, and ``metrics()`` and
+``events`` in ``_telemetry.py``.
 
 Optimizer-level state — the global step, the Polyak EMAs, the resolution counters, the train/eval mode —
 lives in one parameter's state, under the key ``"nonans"`` (:data:`._checkpoint.GLOBAL_KEY`; the
@@ -12,7 +13,6 @@ parameter keys in ``state``.
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -23,28 +23,16 @@ from ._checkpoint import Checkpointed
 from ._distributed import warn_per_rank_loss
 from ._transfer import to_device
 from ._groups import GroupAdmission
+from ._stepsize import StepSize
+from ._telemetry import Telemetry
 from ._validation import _check_float
-from .functional.schedule_free import sf_weight
 from .optimizers._common import assemble_counts, record_inf
-from .resolution import POLICIES, STAGES, Resolution, SingularityEvent, check_policy
+from .resolution import POLICIES, STAGES, Resolution, check_policy
 
 __all__ = ["NonansOptimizer"]
 
 
-def _gamma_dtype(group: dict[str, Any]) -> torch.dtype:
-    """The dtype of a group's step size γ: fp64 where the group holds fp64 parameters (an fp32 γ put every
-    fp64 step 4e-8 off torch's AdamW, 7.7e-7 after 20 steps, and rounded a decay factor 1 - lr·wd above
-    1 - 6e-8 to exactly 1), fp32 otherwise."""
-    return torch.float64 if any(p.dtype is torch.float64 for p in group["params"]) else torch.float32
-
-
-def _warmup(group: dict[str, Any], step: int) -> float:
-    """Linear warmup factor min(1, t / warmup_steps) of a group (1 without warmup)."""
-    warm = group.get("warmup_steps", 0)
-    return min(1.0, step / warm) if warm > 0 else 1.0
-
-
-class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
+class NonansOptimizer(Checkpointed, GroupAdmission, StepSize, Telemetry, Optimizer):
     """Base of every nonans_optim optimizer. Subclasses implement ``_step_group(group, ctx)``."""
 
     #: True when any parameter takes a schedule-free path (then train()/eval() swap y ↔ x).
@@ -342,38 +330,6 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
         ctx["unit_scale"] = torch.ones((), dtype=torch.float32, device=device)
         ctx["gamma_mult"] = None
 
-    def _schedule(self, group: dict[str, Any], ctx: dict[str, Any]) -> tuple[torch.Tensor, float]:
-        """(γ as a 0-d device tensor — fp32, fp64 for a group with fp64 parameters —, schedule-free weight c)
-        for this group and step.
-
-        lr_t = lr · min(1, t / warmup_steps) is host arithmetic on the scheduled lr; the Polyak multiplier
-        (when active) is a device tensor, so γ never needs a sync. c follows SF-NorMuon: η_t² / Σ η_k².
-
-        A tensor lr (torch.optim's convention; an LR scheduler keeps it one, through ``fill_``) on the
-        parameters' device is used where it is: γ = lr · warmup as a device op, for a CUDA lr no host read.
-        Only the schedule-free weight c needs η_t as a host number; there a CUDA lr is read every step (a
-        sync, with a warning once). A CPU lr for CUDA parameters is read on the host (no device sync)."""
-        lr, warm = group["lr"], _warmup(group, ctx["step"])
-        device = ctx["unit_scale"].device
-        dtype = _gamma_dtype(group)
-        c = 0.0
-        if isinstance(lr, torch.Tensor) and lr.device == device and "sf_weight_sum" not in group:
-            gamma = lr.detach().reshape(()).to(dtype) * warm
-        else:
-            if isinstance(lr, torch.Tensor) and not lr.is_cpu and "sf_weight_sum" in group:
-                warnings.warn(f"lr is a {lr.device.type} tensor: the schedule-free weight needs its value on the "
-                              "host, so every step reads it (a device sync); pass a float or a CPU tensor",
-                              RuntimeWarning, stacklevel=4)
-            lr_t = float(lr) * warm
-            if "sf_weight_sum" in group:
-                c, group["sf_weight_sum"] = sf_weight(lr_t, group["sf_weight_sum"])
-            gamma = torch.full((), lr_t, dtype=dtype, device=device)
-        if ctx["gamma_mult"] is not None:
-            gamma = gamma * ctx["gamma_mult"]
-        if group is self.param_groups[0]:  # metrics()' fusion/gamma_curr (a reference: nothing writes into it)
-            self._last_gamma = gamma
-        return gamma, c
-
     def _step_group(self, group: dict[str, Any], ctx: dict[str, Any]) -> None:
         raise NotImplementedError
 
@@ -406,41 +362,3 @@ class NonansOptimizer(Checkpointed, GroupAdmission, Optimizer):
                 self._index_cache.clear()
             t = self._index_cache[key] = to_device(torch.tensor(values, dtype=dtype), device)
         return t
-
-    # ------------------------------------------------------------------ telemetry
-    @property
-    def events(self) -> list[SingularityEvent]:
-        """Resolved singularities of the last steps that had any (materialised now: this syncs). Counters
-        recorded before the policy was switched to "off" are still reported."""
-        st = self._global_state()
-        if st is None or (self.resolution_policy == "off" and "resolution" not in st):
-            return []
-        res = self._get_resolution()
-        return res.materialise(self._param_names(), [p.numel() for p in self._all_params()])
-
-    def metrics(self) -> dict[str, float]:
-        """Scalars for logging (this synchronises with the device, as reading ``events`` does; step() never does)."""
-        st = self._global_state()
-        out: dict[str, float] = {"optim/step": float(st["step"] if st else 0)}
-        if self._uses_polyak:
-            pol = st["polyak"] if st else None
-            out["fusion/loss_ema"] = float(pol["loss_ema"]) if pol is not None else 0.0
-            out["fusion/gnorm_ema"] = float(pol["gnorm_ema"]) if pol is not None else 0.0
-            mult = float(pol["gamma_mult"]) if pol is not None else 1.0
-            out["fusion/gamma_mult"] = mult
-            g0 = self.param_groups[0]
-            # the step size the first group's last step took, γ = lr·warmup·multiplier: with a scheduler
-            # stepped after step() (torch's order), the group's lr is already the next step's. Before the
-            # first step (or after a load) the current lr, with warmup's factor at the current t (0 with
-            # warmup before any step — nothing has moved yet — and 1 without)
-            last = getattr(self, "_last_gamma", None)
-            if last is None:  # rounded as _schedule rounds γ: a resumed run reports what the saved one did
-                lr_t = float(g0["lr"]) * _warmup(g0, st["step"] if st else 0)
-                last = torch.tensor(lr_t, dtype=_gamma_dtype(g0))
-                last = last * pol["gamma_mult"].cpu() if pol is not None else last
-            out["fusion/gamma_curr"] = float(last)
-        if st is not None and "resolution" in st:  # also under "off": what was recorded before stays visible
-            out.update(self._get_resolution().summary())
-        elif self.resolution_policy != "off":
-            out.update(Resolution(self._policy, 0, torch.device("cpu")).summary())  # the same keys, zero
-        return out

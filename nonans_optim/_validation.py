@@ -26,7 +26,7 @@ def _check_float(name: str, value: Any, *, low: float = 0.0, high: float = math.
     """A finite number in [low, high] (or [low, high)); a one-element tensor counts as its value.
 
     A tensor on another device than the CPU is refused unless ``device_ok`` (lr: γ = lr · warmup is a
-    device op, see ``NonansOptimizer._schedule``): the step reads every other hyperparameter on the host —
+    device op, see ``_stepsize.StepSize._schedule``): the step reads every other hyperparameter on the host —
     into the native loops' arguments, the Triton kernels' constant table, Python arithmetic — and reading
     a CUDA tensor there is a device sync at every ``step()``, which the resolution contract forbids."""
     if isinstance(value, torch.Tensor):
