@@ -30,7 +30,7 @@ import torch
 from experiments.questions_io import at_commit, checkout_commit, cpu_model, publish
 
 import nonans_optim as no
-from nonans_optim._checkpoint import GLOBAL_KEY
+from nonans_optim._global_state import GLOBAL_KEY
 from experiments._models import (DEFAULT, QUICK, build_gpt, count_params, hidden_matrices, ns5_flops,
                                  synthetic_grads)
 

@@ -5,7 +5,7 @@ checkpoint side in ``_checkpoint.py``, a group's step size in ``_stepsize.py``, 
 ``events`` in ``_telemetry.py``.
 
 Optimizer-level state — the global step, the Polyak EMAs, the resolution counters, the train/eval mode —
-lives in one parameter's state, under the key ``"nonans"`` (:data:`._checkpoint.GLOBAL_KEY`; the
+lives in one parameter's state, under the key ``"nonans"`` (:data:`._global_state.GLOBAL_KEY`; the
 parameter is the first trainable one, the "carrier"). So every checkpoint path carries it as it carries
 per-parameter state: torch's ``state_dict()``, and ``torch.distributed.checkpoint``, which accepts only
 parameter keys in ``state``.

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 import nonans_optim as no
-from nonans_optim._checkpoint import GLOBAL_KEY
+from nonans_optim._global_state import GLOBAL_KEY
 from optim_infos import IDS, INFOS, event_tuples, make_model, same_tree, train_steps
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))

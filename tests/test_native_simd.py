@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from nonans_optim import native
-from nonans_optim._checkpoint import global_entry
+from nonans_optim._global_state import global_entry
 
 HERE = Path(__file__).parent
 

@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd.graph import increment_version
 
-from .._checkpoint import GLOBAL_KEY
+from .._global_state import GLOBAL_KEY
 from ..detection import Tally, tally
 from ..resolution import STAGE_INDEX
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._base import NonansOptimizer
-from .._checkpoint import needs_init
+from .._global_state import needs_init
 from .._validation import check_betas
 from ..functional.schedule_free import SF_BETA_MIN, to_x_, to_y_
 from ._scalar import scalar_init_state, scalar_update

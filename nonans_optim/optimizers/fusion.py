@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._base import NonansOptimizer
-from .._checkpoint import needs_init
+from .._global_state import needs_init
 from .._distributed import check_group, sum_polyak_stats
 from .._validation import FP32_MAX, FP32_TINY, _check_float, _check_int, check_betas
 from ..detection import inspect
