@@ -6,12 +6,12 @@ hand-vectorised AVX-512 loop. On a CPU without it (AVX2 only: many desktop and c
 default ran the portable loop, which gcc left scalar under "repair" — about 10x "off" at 1M entries on this
 project's AVX2-only machine (a scratch measurement before the fix; see nonans_optim/native/__init__.py and
 scalar_avx2.h). This experiment keeps that visible: each build in fresh processes of its own
-(``NONANS_NATIVE_SIMD`` = portable / avx2 / auto; a build this CPU cannot run, or that duplicates another's
-vector width, is left out), each process timing one optimizer per (optimizer, size) whose policy is switched
-between "off" and "repair" between samples (the same tensors, as in ``experiments.overhead``'s size sweep),
-with a second "off" arm as the A/A. torch's own fused AdamW on a copy of the same tensor is the scale, paired
-with "off" in rounds of their own. Each (optimizer, size) in fp32 and in bf16: every build has a bf16 loop too
-(scalar_bf16.h, scalar_avx2_bf16.h, scalar_avx512_bf16.h).
+(``NONANS_NATIVE_SIMD`` = portable / avx2 / auto, avx2 built as for an AVX2-only CPU; a build this CPU cannot
+run, or that duplicates another's vector width, is left out), each process timing one optimizer per
+(optimizer, size) whose policy is switched between "off" and "repair" between samples (the same tensors, as in
+``experiments.overhead``'s size sweep), with a second "off" arm as the A/A. torch's own fused AdamW on a copy
+of the same tensor is the scale, paired with "off" in rounds of their own. Each (optimizer, size) in fp32 and
+in bf16: every build has a bf16 loop too (scalar_bf16.h, scalar_avx2_bf16.h, scalar_avx512_bf16.h).
 
 Output: one JSON and one RESULTS.md section per kind of CPU, so that a run on one kind does not replace
 another kind's numbers: a CPU with AVX-512 writes ``results/simd_avx512.json`` and the section between
@@ -79,7 +79,7 @@ def _measure(args) -> dict[str, Any]:
             t = interleaved(pair, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
             row["off_vs_torch_fused"] = spread(t["off"], t["torch_fused"])
         rows.append(row)
-    return {"simd_width": lib.nonans_simd_width(), "rows": rows}
+    return {"simd_width": lib.nonans_simd_width(), "cflags": native._simd_flags(), "rows": rows}
 
 
 def _child(mode: str, args) -> dict[str, Any]:
@@ -108,7 +108,8 @@ def run(args) -> dict[str, Any]:
         if width is None:
             builds.append({"mode": mode, "simd_width": None, "failure": runs[0]["failure"], "rows": []})
         elif all(b["simd_width"] != width for b in builds):  # "auto" on an AVX2-only CPU is "avx2" again
-            builds.append({"mode": mode, "simd_width": width, "processes": args.processes, "rows": _combine(runs)})
+            builds.append({"mode": mode, "simd_width": width, "cflags": runs[0]["cflags"], "processes": args.processes,
+                           "rows": _combine(runs)})
     default = next((b["mode"] for b in builds if widths["auto"] is not None and b["simd_width"] == widths["auto"]),
                    None)
     return {"command": "python -m experiments simd" + (" --quick" if args.quick else ""),
@@ -164,6 +165,12 @@ def render(data: dict[str, Any]) -> str:
                          f"{fmt(r['off_ms'], 3)} | "
                          f"{cell('repair')} | {cell('aa')} | {cell('off_vs_torch_fused')} |")
     lines.append("")
+    if "avx512f" in data["cpu_flags"] and any(b["mode"] == "avx2" and "-mno-avx512f" not in b.get("cflags", ())
+                                              for b in data["builds"] if b["simd_width"] is not None):
+        lines += ["The AVX2 rows of this run predate the avx2 build's `-mno-avx512f` (2026-11-27): gcc also "
+                  "auto-vectorised the rest of that build with AVX-512 here, so they measure the AVX2 intrinsics "
+                  "inside AVX-512 code, which no AVX2-only CPU runs (the section measured on an AVX2-only CPU "
+                  "is the AVX2 build as such).", ""]
     default = next((b for b in data["builds"] if b["mode"] == data["default_mode"]), None)
     if default is not None:
         # every size run is judged (the 65,536-entry rows were once left out), to four decimals: a ratio of

@@ -3,6 +3,10 @@ so without this check a broken build would pass CI silently."""
 from __future__ import annotations
 
 import os
+import platform
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -20,8 +24,13 @@ def test_native_library_builds_where_a_c_compiler_exists():
         assert hasattr(native.library(), name)
 
 
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+CAP = ["-mno-avx512f"] if X86 else []  # (another target's compiler refuses the flag)
+
+
 @pytest.mark.parametrize("mode, flags", [(None, []), ("auto", []), ("portable", ["-DNONANS_PORTABLE"]),
-                                         ("avx2", ["-DNONANS_NO_AVX512"])])
+                                         ("avx2", ["-DNONANS_NO_AVX512", *CAP]),
+                                         ("portable-avx2", ["-DNONANS_PORTABLE", *CAP])])
 def test_simd_mode_selects_the_build_flags(monkeypatch, mode, flags):
     if mode is None:
         monkeypatch.delenv("NONANS_NATIVE_SIMD", raising=False)
@@ -32,8 +41,32 @@ def test_simd_mode_selects_the_build_flags(monkeypatch, mode, flags):
 
 def test_unknown_simd_mode_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("NONANS_NATIVE_SIMD", "avx1024")
-    with pytest.raises(ValueError, match="'auto', 'portable' or 'avx2', got 'avx1024'"):
+    with pytest.raises(ValueError, match="one of 'auto', 'portable', 'avx2', 'portable-avx2', got 'avx1024'"):
         native._simd_flags()
+
+
+_LIBRARY = "from nonans_optim import native; lib = native.library(); print(lib._name if lib else native.failure())"
+
+
+@pytest.mark.skipif(not X86 or shutil.which("objdump") is None, reason="x86 objdump needed")
+def test_avx2_build_has_no_avx512_code():
+    """NONANS_NATIVE_SIMD=avx2 is the build an AVX2-only CPU gets: on an AVX-512 machine it must not hold
+    one AVX-512 instruction (a zmm register), where the default build there holds many — before
+    2026-11-27 gcc auto-vectorised its portable loops and row sums with AVX-512 (``-march=native``), so
+    the simd experiment's "AVX2" rows measured code no AVX2-only CPU runs."""
+    if "avx512f" not in native._cpu_flags().split():
+        pytest.skip("the CPU has no AVX-512: its default build is the AVX2 one")
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    zmm = {}
+    for mode in ("avx2", "auto"):
+        proc = subprocess.run([sys.executable, "-c", _LIBRARY], env={**os.environ, "NONANS_NATIVE_SIMD": mode},
+                              capture_output=True, text=True, timeout=600)
+        path = proc.stdout.strip().splitlines()[-1]
+        assert proc.returncode == 0 and os.path.exists(path), (mode, proc.stdout, proc.stderr[-2000:])
+        dis = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
+        zmm[mode] = dis.count("%zmm")
+    assert zmm["avx2"] == 0 and zmm["auto"] > 100, zmm
 
 
 def test_every_native_source_is_in_the_build_key():

@@ -218,3 +218,25 @@ def test_cpu_verdicts_judge_every_row_and_say_what_noise_does_not_resolve():
         else:
             assert f"{label})" in text
     assert loose and controlled  # the published run has both kinds of row, so neither branch is vacuous
+
+
+def test_simd_says_when_its_avx2_rows_were_built_with_avx512_code():
+    """An AVX-512 machine's "AVX2" rows measured before the avx2 build capped the ISA (``-mno-avx512f``,
+    2026-11-27) are the AVX2 intrinsics inside AVX-512 code: the table says so from the build flags its JSON
+    records (none recorded: before the cap), and stops saying it once they hold the cap, or on a CPU without
+    AVX-512 (where that build is an AVX2 CPU's)."""
+    import json
+
+    from experiments import simd
+
+    data = json.loads((ROOT / "results" / "simd_avx512.json").read_text())
+    avx2 = next(b for b in data["builds"] if b["mode"] == "avx2")
+    note = "predate the avx2 build's `-mno-avx512f`"
+    for flags, said in ((None, True), (["-DNONANS_NO_AVX512"], True), (["-DNONANS_NO_AVX512", "-mno-avx512f"], False)):
+        avx2.pop("cflags", None)
+        if flags is not None:
+            avx2["cflags"] = flags
+        assert (note in simd.render(data)) == said, flags
+    avx2["cflags"] = ["-DNONANS_NO_AVX512"]
+    data["cpu_flags"] = [f for f in data["cpu_flags"] if not f.startswith("avx512")]
+    assert note not in simd.render(data)

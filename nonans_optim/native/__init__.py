@@ -27,7 +27,7 @@ Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in the int
 (SF-)AdamW loop (``scalar_avx512.h``) and of the spectral update loop (``spectral_post.c``), which check
 and count the resolution far more cheaply (``simd_avx512.h``); where it has AVX2 but not AVX-512, the
 AVX2 form of the (SF-)AdamW loop (``scalar_avx2.h``). ``NONANS_NATIVE_SIMD=portable`` leaves them out;
-``NONANS_NATIVE_SIMD=avx2`` leaves out only the AVX-512 forms.
+``NONANS_NATIVE_SIMD=avx2`` builds as for an AVX2-only CPU (:func:`_simd_flags`).
 
 ``NONANS_NATIVE=0`` disables it. When it cannot be built, :func:`library` returns None, :func:`failure`
 says why, and ``impl="fused"`` warns once and runs ``impl="compiled"``.
@@ -101,14 +101,25 @@ def _cache_dirs() -> list[Path]:
     return [first, Path(tempfile.gettempdir()) / f"nonans_optim-{uid}"]
 
 
+_SIMD_MODES = ("auto", "portable", "avx2", "portable-avx2")
+# x86 only: another target's compiler refuses the flag (the avx2 modes mean nothing there)
+_NO_AVX512 = ["-mno-avx512f"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
+
+
 def _simd_flags() -> list[str]:
     """``NONANS_NATIVE_SIMD=portable`` builds the portable loops only (scalar_avx512.h and scalar_avx2.h
     compiled out): the reference that tests/test_native_simd.py compares the SIMD builds with, bit for bit.
-    ``avx2`` leaves out the AVX-512 form only, so an AVX-512 machine can build and test the AVX2 form."""
+    ``avx2`` builds as for a CPU with AVX2 and no AVX-512, so an AVX-512 machine can build, test and time
+    the AVX2 form: the AVX-512 form left out, and ``-mno-avx512f`` after ``-march=native`` so that gcc does
+    not auto-vectorise the rest (the portable loops, the spectral row sums) with AVX-512 either — until
+    2026-11-27 it did, so that build was the AVX2 intrinsics inside AVX-512 code, which no AVX2-only CPU
+    runs. ``portable-avx2`` is the portable loops built the same way: the avx2 build's bit-for-bit
+    reference (a reduction auto-vectorised 16 wide sums in another order than one 8 wide)."""
     mode = os.environ.get("NONANS_NATIVE_SIMD", "auto")
-    if mode not in ("auto", "portable", "avx2"):
-        raise ValueError(f"NONANS_NATIVE_SIMD must be 'auto', 'portable' or 'avx2', got {mode!r}")
-    return {"auto": [], "portable": ["-DNONANS_PORTABLE"], "avx2": ["-DNONANS_NO_AVX512"]}[mode]
+    if mode not in _SIMD_MODES:
+        raise ValueError(f"NONANS_NATIVE_SIMD must be one of {', '.join(map(repr, _SIMD_MODES))}, got {mode!r}")
+    return {"auto": [], "portable": ["-DNONANS_PORTABLE"], "avx2": ["-DNONANS_NO_AVX512", *_NO_AVX512],
+            "portable-avx2": ["-DNONANS_PORTABLE", *_NO_AVX512]}[mode]
 
 
 def _build(cc: str, flags: list[str], out: Path) -> str | None:
