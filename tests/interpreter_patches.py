@@ -81,5 +81,8 @@ def share_language_patches() -> bool:
 
 
 def installed() -> bool:
+    """Whether :func:`share_language_patches` is in effect in this process."""
     from triton.runtime import interpreter
-    return getattr(interpreter.GridExecutor.__call__, "_shares_patches", False) and interpreter._patch_lang is _shared
+    grid = getattr(interpreter, "GridExecutor", None)
+    return (getattr(getattr(grid, "__call__", None), "_shares_patches", False)
+            and getattr(interpreter, "_patch_lang", None) is _shared)
