@@ -10,7 +10,7 @@ from interpreted import SHARD_ENV, shard_of  # noqa: E402 (found through the lin
 from interpreter_patches import share_language_patches  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # an interpreter subprocess (tests/interpreted.py)
-    share_language_patches()  # 2-3x faster interpreter suites; see tests/interpreter_patches.py
+    share_language_patches()  # up to 2x faster interpreter suites; see tests/interpreter_patches.py
 # Experiments log to wandb offline whenever it is installed; the tests check results, not logging.
 os.environ.setdefault("NONANS_WANDB", "0")
 

@@ -192,7 +192,7 @@ if INTERPRETED:
 
         assert interpreter_patches.installed(), (
             f"triton {triton.__version__}: tests/interpreter_patches.py no longer applies to this interpreter "
-            "(the interpreter suites run 2-3x slower without it): adapt it to the new version")
+            "(the interpreter suites run up to 2x slower without it): adapt it to the new version")
         n, block = 7, 16
         x = torch.randn(n * block)
         patched = []
