@@ -31,20 +31,22 @@ import inspect
 
 _stock = None  # interpreter._patch_lang as Triton defines it (tests wrap it to count the real patches)
 _patched: set[int] | None = None  # ids of the language modules patched in the launch running now
+_LANGUAGES: tuple = ()  # (triton.language, triton.language.core), set on install
+_EMPTY_SCOPE = None  # interpreter._LangPatchScope, set on install
 
 
 def _languages(fn) -> set[int]:
     """The language modules ``_patch_lang`` patches for ``fn``: those among its globals (its own rule)."""
-    import triton.language as tl
-    return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+    return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in _LANGUAGES}
 
 
 def _shared(fn):
+    """``_patch_lang`` as installed: called at every launch and every helper call (the imports it needs are
+    resolved once, at install)."""
     global _patched
-    from triton.runtime import interpreter
     langs = _languages(fn)
     if _patched is not None and langs and langs <= _patched:
-        return interpreter._LangPatchScope()  # already in place for this launch: nothing to restore either
+        return _EMPTY_SCOPE()  # already in place for this launch: nothing to restore either
     scope = _stock(fn)
     if _patched is not None:
         _patched |= langs
@@ -54,8 +56,9 @@ def _shared(fn):
 def share_language_patches() -> bool:
     """Install the sharing (idempotent); False, leaving Triton as it is, where its interpreter does not
     have the pieces this relies on (then the suites run at stock speed, and the test says so)."""
-    global _stock
+    global _stock, _LANGUAGES, _EMPTY_SCOPE
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return False
@@ -77,6 +80,7 @@ def share_language_patches() -> bool:
     call._shares_patches = True
     call._stock = launch
     _stock = interpreter._patch_lang
+    _LANGUAGES, _EMPTY_SCOPE = (tl, tl.core), interpreter._LangPatchScope
     interpreter._patch_lang = _shared
     grid.__call__ = call
     return True
