@@ -708,7 +708,8 @@ else:
     @pytest.mark.parametrize("shard", range(2))
     def test_interpreter_suite(shard):
         """Run the cases under TRITON_INTERPRET=1 in fresh processes (see test_kernels_interpret.py), in two
-        shards (tests/interpreted.py: the whole suite took 206 s, a long tail for CI's two workers)."""
+        shards (tests/interpreted.py: the whole suite took 206 s, a long tail for CI's two workers; 76 s since
+        tests/interpreter_patches.py, 2026-11-27, where the shards still let both workers share it)."""
         assert_interpreted_suite_passes(__file__, timeout=600, shard=(shard, 2))
 
     def test_cpu_tensors_are_not_supported_without_the_interpreter():

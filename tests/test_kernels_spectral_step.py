@@ -461,7 +461,8 @@ else:
     @pytest.mark.parametrize("shard", range(3))
     def test_interpreter_suite(shard):
         """Run the cases under TRITON_INTERPRET=1 in fresh processes (see test_kernels_interpret.py), in three
-        shards: the whole suite took 379 s, so on CI's two workers one ran it alone at the end."""
+        shards: the whole suite took 379 s, so on CI's two workers one ran it alone at the end (199 s since
+        tests/interpreter_patches.py, 2026-11-27: still the longest suite, so still split)."""
         assert_interpreted_suite_passes(__file__, timeout=600, shard=(shard, 3))
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
