@@ -11,6 +11,7 @@ record_step is compared with the torch one on random count sequences. The generi
 from __future__ import annotations
 
 import copy
+import ctypes
 import warnings
 
 import pytest
@@ -152,6 +153,32 @@ def test_unsupported_tensors_run_compiled(monkeypatch):
         for p, q in zip(params, twins):
             assert p.dtype == dtype and torch.equal(p, q)
     assert len(calls) == 4  # every fused step went to the compiled path
+
+
+def _read_int64(address: int, n: int) -> list[int]:
+    return list((ctypes.c_int64 * n).from_address(address))
+
+
+@pytest.mark.parametrize("bad", range(3))
+def test_pointer_table_layout_and_refusals(bad):
+    """:func:`_fused.pointer_table` (the native step's one argument array): each list's data pointers in
+    its own block, the tail after them, each block's address returned — and None when any tensor of any
+    list is strided or of another dtype than its list's, wherever it sits: a pointer into the wrong layout
+    must never reach the C loop (a wrapper's null pointer: tests/test_distributed_checkpoint.py)."""
+    f32 = [torch.randn(3, 2), torch.randn(5)]
+    b16 = [torch.randn(4).bfloat16(), torch.empty(0, dtype=torch.bfloat16)]  # an empty tensor's null pointer passes
+    steps = [torch.zeros(()) for _ in range(2)]
+    lists = ((f32, torch.float32), (b16, torch.bfloat16), (steps, torch.float32))
+    table, addresses = _fused.pointer_table(lists, [7, -1])
+    assert [b - a for a, b in zip(addresses, addresses[1:])] == [16, 16, 16]
+    for (tensors, _), at in zip(lists, addresses):
+        assert _read_int64(at, len(tensors)) == [t.data_ptr() for t in tensors]
+    assert _read_int64(addresses[-1], 2) == [7, -1]
+    assert _read_int64(_fused.pointers(b16, torch.bfloat16)._as_parameter_.value, 2) == [t.data_ptr() for t in b16]
+    spoiled = [list(tensors) for tensors, _ in lists]
+    spoiled[bad][-1] = (torch.randn(2, 3).t(), torch.randn(1), torch.zeros((), dtype=torch.float64))[bad]
+    assert _fused.pointer_table(tuple(zip(spoiled, (torch.float32, torch.bfloat16, torch.float32)))) is None
+    assert _fused.pointers(spoiled[bad], lists[bad][1]) is None
 
 
 def test_unavailable_kernel_warns_once_and_runs_compiled(monkeypatch):
