@@ -15,17 +15,16 @@ Why ``torch.where`` everywhere: OLMo-core's skip-step multiplies the update by a
 so a NaN gradient still poisons the state. ``where`` selects, it never does arithmetic with the bad value.
 
 This module holds the pure pieces (masks, counts, the event ring, escalation) and :class:`Resolution`,
-the device-side bookkeeping object an optimizer owns. No function here calls ``.item()``.
+the device-side bookkeeping object an optimizer owns; what hands its counters to the fused kernels (their
+records, the native step's pointers) is in :mod:`._kernel_records`. No function here calls ``.item()``.
 """
 from __future__ import annotations
 
-import os
-import warnings
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from . import kernels, native
+from ._kernel_records import KernelRecords, record_on_triton
 from ._transfer import to_device
 # the elementwise detection and count helpers live in .detection; re-exported here, where they always were
 from .detection import finite_mask, inspect, storable_mask, tensor_counts
@@ -36,21 +35,6 @@ __all__ = ["POLICIES", "STAGES", "ACTIONS", "SingularityEvent", "Resolution", "R
            "storable_mask", "inspect", "tensor_counts", "check_policy"]
 
 POLICIES = ("repair", "skip", "off")  # a policy's code in Resolution's policy_log is its index here
-
-_TRITON_RECORD_FAILED: list[str] = []  # the first failure of the Triton record in this process, if any
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (triton reads it once at import, too)
-
-
-def _record_on_triton(device: torch.device) -> bool:
-    """Whether a step's record runs the Triton kernel: CUDA counters (or CPU ones under the interpreter with
-    ``NONANS_FUSED_BACKEND=triton``, how CI tests it), triton importable, and no failure so far. The device
-    test comes first: a CPU step pays one attribute test, not an environment read or a triton import."""
-    if not (device.type == "cuda" or (device.type == "cpu" and _INTERPRETED)) or _TRITON_RECORD_FAILED:
-        return False
-    from .optimizers._fused_triton import backend
-
-    return backend(device) == "triton" and kernels.available()
-
 
 def check_policy(resolution: str) -> str:
     if resolution not in POLICIES:
@@ -77,28 +61,7 @@ class RecentRule(NamedTuple):
         return (self.clean_streak < self.window) & ((self.events > 0) & self.param_mask).any(-1)
 
 
-class NativeArgs:
-    """What :meth:`Resolution.native_args` caches: the pointers of the counters a native kernel reads and
-    writes (``ema``, ``sel`` — the int64 global indices —, ``scale``, ``streak``, ``events``), ``pack`` (the
-    record pack of ``nonans_record_step_packed``, None where the native record does not cover the counters)
-    and ``written`` (every counter tensor a kernel that also records may write through them, for the
-    autograd version bump). It holds the tensors it points into, so the pointers stay valid."""
-
-    __slots__ = ("generation", "indices", "sel_tensor", "ema", "sel", "scale", "streak", "events", "pack",
-                 "written")
-
-    def __init__(self, res: "Resolution", indices: list[int], sel: torch.Tensor):
-        t = res.tensors
-        self.generation, self.indices, self.sel_tensor = res.generation, indices, sel
-        self.ema, self.sel, self.scale = (t["grad_norm_ema"].data_ptr(), self.sel_tensor.data_ptr(),
-                                          t["scale"].data_ptr())
-        self.streak, self.events = t["clean_streak"].data_ptr(), t["events"].data_ptr()
-        packed = res.native_record_pack()
-        self.pack = None if packed is None else packed[0]
-        self.written = [t["grad_norm_ema"], *(packed[1] if packed is not None else ())]
-
-
-class Resolution:
+class Resolution(KernelRecords):
     """Device-side counters, event ring and escalation for one optimizer.
 
     Tensors (all on the parameters' device, all in ``state_dict()``):
@@ -248,7 +211,7 @@ class Resolution:
         ``"auto"``: there these thirty small ops cost more than the repair itself); the torch code below is
         the ground truth both are tested against."""
         device = self.tensors["scale"].device
-        if native and _record_on_triton(device) and self._record_triton(step, step_counts):
+        if native and record_on_triton(device) and self._record_triton(step, step_counts):
             return
         if native and device.type == "cpu" and self._record_native(step, step_counts):
             return  # (CUDA counters never try it: auto on CUDA must not build the C library)
@@ -284,59 +247,6 @@ class Resolution:
         t["ring_held"].index_copy_(0, slot, held.unsqueeze(0))
         t["ring_step"].index_copy_(0, slot, torch.full((1,), step, dtype=torch.int64, device=slot.device))
         t["ring_ptr"] += stage_event.any().to(torch.int64)
-
-    def native_record_pack(self) -> tuple | None:
-        """(packed arguments, counter tensors) with which a native step folds its own counts into the
-        counters — what :meth:`record_step` does, inside the same C call (optimizers/_fused.py) — or None
-        where the native record does not cover these counters (CUDA, another dtype, no library)."""
-        if not self.tensors["scale"].is_cpu:
-            return None
-        return native.record_pack(self.tensors, numel=self.numel, growth_interval=self.growth_interval,
-                                  repeat_window=self.repeat_window, cache=self._native_cache)
-
-    def native_args(self, indices: list[int],
-                    device_indices: Callable[[list[int], torch.device], torch.Tensor]) -> "NativeArgs":
-        """The data pointers a native step passes for the parameters at global ``indices`` (CPU counters:
-        the caller checked), built once per index list and counter generation; ``device_indices``: the
-        optimizer's cache of int64 index tensors, asked only when the bundle is (re)built. Rebuilding them each step —
-        an index tensor looked up, five pointers read, the record pack checked — cost about 6 us of a
-        step's Python glue (a scratch timing, 2026-11-24, commit 4d6067b; not in RESULTS.md), which on a
-        cache-resident model is most of what "repair" costs over "off" (RESULTS.md, "overhead", by tensor
-        size)."""
-        key = (indices[0] if indices else -1, len(indices))  # groups never share a first index
-        hit = self._native_args.get(key)
-        if hit is not None and hit.generation == self.generation and hit.indices == indices:
-            return hit
-        sel = device_indices(indices, self.tensors["scale"].device)
-        if len(self._native_args) > 256:  # a bound, for a run whose gradient patterns keep changing (MoE)
-            self._native_args.clear()
-        args = self._native_args[key] = NativeArgs(self, list(indices), sel)
-        return args
-
-    @torch.compiler.disable  # a Triton launch: run eagerly inside a compiled step
-    def _record_triton(self, step: int, step_counts: torch.Tensor) -> bool:
-        from .kernels.record import record_step_
-
-        consume = step_counts is self._count_block  # (contiguous: .contiguous() below is the block itself)
-        try:
-            record_step_(self.tensors, step_counts.contiguous(), step, numel=self.numel, backoff=self.backoff,
-                         min_scale=self.min_scale, growth_interval=self.growth_interval,
-                         repeat_window=self.repeat_window, loss_stage=STAGE_INDEX["loss"],
-                         grad_stage=STAGE_INDEX["grad"], consume=consume)
-        except Exception as err:  # noqa: BLE001 — a compile error, say: nothing was written; torch records
-            _TRITON_RECORD_FAILED.append(f"{type(err).__name__}: {err}")
-            warnings.warn(f"the Triton record kernel failed ({_TRITON_RECORD_FAILED[0][:300]}); recording "
-                          "with torch ops from now on", RuntimeWarning, stacklevel=4)
-            return False
-        if consume:
-            self.count_block_consumed()
-        return True
-
-    @torch.compiler.disable  # ctypes and a build cache: run eagerly inside a compiled step
-    def _record_native(self, step: int, step_counts: torch.Tensor) -> bool:
-        return native.record_step(self.tensors, step_counts, step, numel=self.numel, backoff=self.backoff,
-                                   min_scale=self.min_scale, growth_interval=self.growth_interval,
-                                   repeat_window=self.repeat_window, cache=self._native_cache)
 
     def set_policy(self, policy: str, step: int) -> None:
         """The policy from ``step`` on: appended to ``policy_log`` on the device (the optimizer calls it when

@@ -95,7 +95,7 @@ def case_optimizers_record_through_the_kernel(device, monkeypatch):
     """AdamW(impl="fused") over test_fused's fault sequence records through the kernel (the torch record is
     made to fail the test) with the same counters and events as impl="loop"."""
     import nonans_optim as no
-    from nonans_optim import resolution
+    from nonans_optim import _kernel_records, resolution
     from test_fused import _run
 
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
@@ -108,7 +108,7 @@ def case_optimizers_record_through_the_kernel(device, monkeypatch):
         return real(self, step, sc)
     monkeypatch.setattr(resolution.Resolution, "_record_triton", counted)
     got, got_opt = _run(no.AdamW, "fused", "repair", device=device)
-    assert calls and not resolution._TRITON_RECORD_FAILED
+    assert calls and not _kernel_records._TRITON_RECORD_FAILED
     _assert_records_match(ref_opt, got_opt)
     # the step's count block is reused: the kernel consumed (zeroed) it, so no step has to fill it
     res = got_opt._resolution
@@ -120,12 +120,12 @@ def case_failed_record_falls_back_to_torch(device, monkeypatch):
     """A record launch that fails (a compile error, say) writes nothing: the step records with torch ops,
     warns once, and every later step stays on torch — the same counters and events as impl="loop"."""
     import nonans_optim as no
-    from nonans_optim import resolution
+    from nonans_optim import _kernel_records
     from nonans_optim.kernels import record
     from test_fused import _run
 
     monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    monkeypatch.setattr(resolution, "_TRITON_RECORD_FAILED", [])
+    monkeypatch.setattr(_kernel_records, "_TRITON_RECORD_FAILED", [])
     calls = []
 
     def broken(*args, **kwargs):
@@ -180,10 +180,10 @@ else:
 
     def test_cpu_default_never_records_on_triton(monkeypatch):
         """Without the interpreter and the forced backend, CPU counters never take the Triton record."""
-        from nonans_optim.resolution import _record_on_triton
+        from nonans_optim._kernel_records import record_on_triton
 
         monkeypatch.delenv("NONANS_FUSED_BACKEND", raising=False)
-        assert not _record_on_triton(torch.device("cpu"))
+        assert not record_on_triton(torch.device("cpu"))
 
     gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_torch_record, test_gpu_optimizers_record_through_the_kernel,
