@@ -126,6 +126,12 @@ def state_tensors(opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def all_finite(model, opt) -> bool:
+    """Every parameter of ``model`` and every floating-point state tensor of ``opt`` finite (the invariant)."""
+    return all(torch.isfinite(p).all() for p in model.parameters()) and all(
+        torch.isfinite(v).all() for v in state_tensors(opt).values() if v.is_floating_point())
+
+
 def same_tree(x, y) -> bool:
     """Deep equality of state_dict trees (tensors bit for bit, dtypes included)."""
     if isinstance(x, torch.Tensor):

@@ -5,7 +5,8 @@ buffer and event count must be bit-identical — over test_fused.py's fault sequ
 overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
 on and off, one and two threads, both branches of the lerp formula; over test_fused_spectral.py's for
 SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that overflow to ±Inf and NaN inside
-the step (the update stage's NaN/Inf split); most runs in bf16 as well (the (SF-)AdamW loop:
+the step (the update stage's NaN/Inf split), and a step size that is NaN for one step; most runs in bf16 as well
+(the (SF-)AdamW loop:
 scalar_avx512_bf16.h or scalar_avx2_bf16.h against the portable scalar_bf16.h; the spectral loops' bf16
 rows, and one value in the window alone: test_fused_bf16.py's 16 x 1 runs). test_fused.py and
 test_fused_spectral.py already compare each build with impl="loop" within tolerances; this pins down that the
@@ -61,6 +62,21 @@ def overflow_run(cls, policy, dtype=torch.float32):
     opt = getattr(no, cls)(params, lr=1e38, resolution=policy, impl="fused", spike_factor=None)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        opt.step()
+    return params, opt
+
+def nan_step_size_run(cls, dtype=torch.float32):
+    # A tensor lr filled with NaN for one step: every new y (and z) NaN from finite inputs and finite
+    # hyperparameters otherwise — what the AVX2 loop's early test, a bound on the inputs, could not see.
+    torch.manual_seed(7)
+    params = [torch.randn(s).to(dtype).requires_grad_() for s in ((1000,), (37,), (40, 30))]
+    lr = torch.tensor(1e-3)
+    opt = getattr(no, cls)(params, lr=lr, resolution="repair", impl="fused", spike_factor=None)
+    gen = torch.Generator().manual_seed(8)
+    for step in range(4):
+        lr.fill_(float("nan") if step == 2 else 1e-3)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(dtype)
         opt.step()
@@ -174,6 +190,9 @@ for cls, p00 in ((no.Muon, BF16_MAX), (no.SFNorMuon, 0.0)):  # one bf16 value in
     p, opt = _column_window_run(cls, "fused", torch.bfloat16, 1.0 if slope > 0 else -1.0, 1e36 / abs(slope), p00)
     out[(cls.__name__, "column-window")] = ([p], opt.state_dict())
 for cls in ("AdamW", "SFAdamW", "SFNorMuon", "Muon"):
+    for dtype in (torch.float32, torch.bfloat16):
+        params, opt = nan_step_size_run(cls, dtype)
+        out[(cls, "nan-step-size", str(dtype))] = (params, opt.state_dict())
     for policy in ("repair", "off"):
         params, opt = overflow_run(cls, policy)
         out[(cls, policy)] = (params, opt.state_dict())

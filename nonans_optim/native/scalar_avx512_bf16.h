@@ -22,7 +22,7 @@
  *    sum carries into the sign bit only for a NaN whose mantissa's top eight bits are all set and whose low
  *    half is at least 0x8000; every NaN here is the default NaN (0xFFC00000) or one propagated from a bf16
  *    input (low half 0), so none does, as long as the hyperparameters are finite: a block with a non-finite
- *    one takes the portable loop (scalar_bf16.h's finite_hyper_), under either policy.
+ *    one takes the portable loop (scalar_entry.h's finite_hyper_), under either policy.
  *
  * As scalar_avx512.h's vec_quad_: four vectors of fp32 arithmetic per step (here two 32-entry loads per
  * array), every load of the step before its first store (4K aliasing), the stores before the test (a clean

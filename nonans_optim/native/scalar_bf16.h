@@ -37,19 +37,6 @@ static inline uint16_t bf16_floor_bits_(float x) {
     return (uint16_t)(u >> 16);
 }
 
-/* Finite hyperparameters: where one is not (a tensor lr holding a NaN), the stock arithmetic's NaN carries
- * its payload, and the NaN-free rounding of a tested group (f32_to_bf16_rne_) carries a payload whose top
- * mantissa bits are all set into the sign bit — the input test passes (it bounds only the inputs) and a
- * NaN y would be stored as -0 where the gated loop keeps p. NaNs from the arithmetic on finite values (the
- * default NaN) and from bf16 inputs (low half 0) round to NaN. Such a block takes the gated loop; so does
- * scalar_avx512_bf16.h's. Once per block. */
-static inline int finite_hyper_(float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h) {
-    const float x[] = {s, lr, wdf, lrc, bc1, bc2, h.one_m_b1, h.b2, h.one_m_b2, h.eps, h.wd, h.c, h.coef};
-    int ok = 1;
-    for (size_t i = 0; i < sizeof x / sizeof x[0]; i++) ok &= finitef_(x[i]);
-    return ok;
-}
-
 /* The frame the SIMD bf16 loops (scalar_avx512_bf16.h, scalar_avx2_bf16.h) share, around their steps of
  * `step` entries over [b0, b1): a block that the portable loop takes whole — a held or "skip" tensor's, or
  * one with a non-finite hyperparameter, under "off" too (their tests read rounded values, see

@@ -19,10 +19,28 @@ typedef struct {
     float one_m_b1, b2, one_m_b2, eps, wd, c, coef;
 } hyper_t;
 
+/* Finite hyperparameters, the precondition of every test on the inputs alone (clean_limit_, and so
+ * input_limit_ and the bf16 groups): where one is not — a tensor lr a scheduler filled with NaN makes lr,
+ * wdf and lrc NaN — the stock arithmetic makes y NaN from finite inputs, which a bound on the inputs cannot
+ * see. fmax drops a NaN operand, so clean_limit_'s factor stayed finite and, until 2026-11-27, the AVX2
+ * loop's early test passed such blocks and stored NaN parameters where the gated loop keeps p (the AVX-512
+ * loop tests the new values, which a NaN reaches). For bf16 there is a second reason: the stock
+ * arithmetic's NaN carries its payload, and the NaN-free rounding of a tested group (f32_to_bf16_rne_)
+ * carries a payload whose top mantissa bits are all set into the sign bit — a NaN y would be stored as -0.
+ * NaNs from the arithmetic on finite values (the default NaN) and from bf16 inputs (low half 0) round to
+ * NaN. Once per block. */
+static inline int finite_hyper_(float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h) {
+    const float x[] = {s, lr, wdf, lrc, bc1, bc2, h.one_m_b1, h.b2, h.one_m_b2, h.eps, h.wd, h.c, h.coef};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof x / sizeof x[0]; i++) ok &= finitef_(x[i]);
+    return ok;
+}
+
 /* The magnitude bound of the AVX2 loop's early test (input_limit_ below, which tightens it; the
  * AVX-512 loop tests the new values of four vectors at once instead) for one tensor's block: the largest L
  * such that, when |g|, |p| and |z| (AdamW: |m|) are at most L and the new v is finite and not negative,
- * every value the stock arithmetic computes is finite; 0 when no such bound exists (eps = 0: sqrt(0) + 0
+ * every value the stock arithmetic computes is finite; 0 when no such bound exists (a non-finite
+ * hyperparameter, finite_hyper_; eps = 0: sqrt(0) + 0
  * divides by zero; a bias correction of 0, which validated betas never give but which would divide by zero
  * too), and then the loop takes the late test. With S = max(1, |s|) (s: the spike guard's scale)
  * and lerpk = 1 + 2·max(|w|, |1-w|) for a lerp of weight w (either of lerpf_'s forms, both operands at most
@@ -48,7 +66,8 @@ static inline float clean_limit_(const int sf, const int decay_z, float s, float
         const double mk = S * lerpk, dk = mk / (fabs((double)bc1) * eps);
         k = fmax(fmax(mk / fabs((double)bc1), dk), fabs((double)wdf) + fabs((double)lr) * dk);
     }
-    if (!(eps > 0.0) || !(bc2 > 0.0f) || !(k < INFINITY)) return 0.0f; /* !(k < Inf): a NaN k too, which fmax drops */
+    if (!(eps > 0.0) || !(bc2 > 0.0f) || !(k < INFINITY) || !finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h))
+        return 0.0f; /* !(k < Inf): a NaN k too; fmax drops a NaN operand, hence the hyperparameters' own test */
     return (float)(FLT_MAX / 8.0 / k);
 }
 
