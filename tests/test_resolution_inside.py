@@ -197,14 +197,14 @@ def test_sixteen_bit_state_overflowing_as_stored_is_contained(info, impl, dtype)
 STEP_SIZE_CASES = impl_cases(("loop", "foreach"))  # and the "-fused" infos: every native and SIMD loop
 
 
-def _nan_step_size_run(info, impl, policy):
-    """Two clean steps, two with the tensor lr filled with NaN (a scheduler that computed one), one with a
-    finite lr again."""
+def _bad_step_size_run(info, impl, policy, value):
+    """Two clean steps, two with the tensor lr filled with ``value`` (NaN or +Inf: a scheduler that computed
+    one), one with a finite lr again."""
     model = make_model()
     lr = torch.tensor(1e-2)
     opt = info.make(model.named_parameters(), lr=lr, impl=impl, resolution=policy)
     train_steps(model, opt, 2)
-    lr.fill_(float("nan"))
+    lr.fill_(value)
     train_steps(model, opt, 2, seed=1)
     assert all_finite(model, opt)
     lr.fill_(1e-2)
@@ -213,22 +213,23 @@ def _nan_step_size_run(info, impl, policy):
     return model, opt, before
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("policy", ["repair", "skip"])
 @pytest.mark.parametrize("info, impl", STEP_SIZE_CASES, ids=impl_ids(STEP_SIZE_CASES))
-def test_nonfinite_step_size_is_contained(info, impl, policy):
-    """A step size that is NaN makes every new parameter NaN from finite inputs: the last-line update guard
+def test_nonfinite_step_size_is_contained(info, impl, policy, value):
+    """A step size that is NaN or +Inf makes every new parameter non-finite from finite inputs: the last-line update guard
     keeps each parameter (and z) and the update stage counts every entry, in every implementation as in the
     loop; the run goes on once the lr is finite again. The AVX2 (SF-)AdamW loop's early test bounded the
     inputs only and stored the NaN parameters until 2026-11-27 (native/scalar_entry.h, finite_hyper_;
     tests/test_native_simd.py compares that build with the portable one on this run)."""
-    model, opt, before = _nan_step_size_run(info, impl, policy)
+    model, opt, before = _bad_step_size_run(info, impl, policy, value)
     assert all_finite(model, opt)
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))  # stepping again
     metrics = opt.metrics()
     params = sum(1 for _ in model.parameters())
-    assert metrics["resolution/events_update"] == 2 * params  # two NaN steps, every parameter
+    assert metrics["resolution/events_update"] == 2 * params  # two bad steps, every parameter
     assert metrics["resolution/events_total"] == metrics["resolution/events_update"]  # nothing else (no grad)
     if impl != "loop":
-        ref_model, ref_opt, _ = _nan_step_size_run(info, "loop", policy)
+        ref_model, ref_opt, _ = _bad_step_size_run(info, "loop", policy, value)
         assert_params_and_state_close(list(ref_model.parameters()), ref_opt, list(model.parameters()), opt)
         assert_resolution_matches(ref_opt, opt)
