@@ -1,13 +1,14 @@
 """``python -m experiments simd`` — what "repair" costs the default (SF-)AdamW step under each build of the
-native loops this CPU can run: portable C, the AVX2 form, the AVX-512 form.
+native loops this CPU can run: portable C (the exact loops), generic C (the form a CPU without the SIMD forms
+runs: aarch64, say), the AVX2 form, the AVX-512 form.
 
 Why it exists: every earlier overhead number came from machines with AVX-512, where the default build is the
 hand-vectorised AVX-512 loop. On a CPU without it (AVX2 only: many desktop and cloud x86 CPUs) the same
 default ran the portable loop, which gcc left scalar under "repair" — about 10x "off" at 1M entries on this
 project's AVX2-only machine (a scratch measurement before the fix; see nonans_optim/native/__init__.py and
 scalar_avx2.h). This experiment keeps that visible: each build in fresh processes of its own
-(``NONANS_NATIVE_SIMD`` = portable / avx2 / auto, avx2 built as for an AVX2-only CPU; a build this CPU cannot
-run, or that duplicates another's vector width, is left out), each process timing one optimizer per
+(``NONANS_NATIVE_SIMD`` = portable / generic / avx2 / auto, avx2 built as for an AVX2-only CPU; a build this
+CPU cannot run, or that duplicates another's form, is left out), each process timing one optimizer per
 (optimizer, size) whose policy is switched between "off" and "repair" between samples (the same tensors, as in
 ``experiments.overhead``'s size sweep), with a second "off" arm as the A/A. torch's own fused AdamW on a copy
 of the same tensor is the scale, paired with "off" in rounds of their own. Each (optimizer, size) in fp32 and
@@ -39,7 +40,7 @@ from experiments.step_time import (ROOT, add_child_arguments, child_argv, inner_
 __all__ = ["run", "render", "section", "main", "JSON"]
 
 CPU = torch.device("cpu")
-MODES = ("portable", "avx2", "auto")
+MODES = ("portable", "generic", "avx2", "auto")
 SIZES, QUICK_SIZES = (1 << 16, 1 << 20, 1 << 24), (1 << 10, 1 << 12)
 OPTIMIZERS = {"AdamW": no.AdamW, "SFAdamW": no.SFAdamW}
 # bf16 since 2026-11-27: each build has a bf16 loop of its own (scalar_bf16.h, scalar_avx2_bf16.h,
@@ -79,7 +80,8 @@ def _measure(args) -> dict[str, Any]:
             t = interleaved(pair, rounds=args.rounds, warmup=args.warmup, inner=inner, device=CPU)
             row["off_vs_torch_fused"] = spread(t["off"], t["torch_fused"])
         rows.append(row)
-    return {"simd_width": lib.nonans_simd_width(), "cflags": native._simd_flags(), "rows": rows}
+    return {"simd_width": lib.nonans_simd_width(), "form": native.scalar_form(), "cflags": native._simd_flags(),
+            "rows": rows}
 
 
 def _child(mode: str, args) -> dict[str, Any]:
@@ -101,17 +103,16 @@ def _combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(args) -> dict[str, Any]:
-    builds, widths = [], {}
+    builds, forms = [], {}
     for mode in MODES:
         runs = [_child(mode, args) for _ in range(args.processes)]
-        width = widths[mode] = runs[0]["simd_width"]
-        if width is None:
+        form = forms[mode] = runs[0].get("form")
+        if runs[0]["simd_width"] is None:
             builds.append({"mode": mode, "simd_width": None, "failure": runs[0]["failure"], "rows": []})
-        elif all(b["simd_width"] != width for b in builds):  # "auto" on an AVX2-only CPU is "avx2" again
-            builds.append({"mode": mode, "simd_width": width, "cflags": runs[0]["cflags"], "processes": args.processes,
-                           "rows": _combine(runs)})
-    default = next((b["mode"] for b in builds if widths["auto"] is not None and b["simd_width"] == widths["auto"]),
-                   None)
+        elif all(b.get("form") != form for b in builds):  # "auto" on an AVX2-only CPU is "avx2" again
+            builds.append({"mode": mode, "simd_width": runs[0]["simd_width"], "form": form,
+                           "cflags": runs[0]["cflags"], "processes": args.processes, "rows": _combine(runs)})
+    default = next((b["mode"] for b in builds if forms["auto"] is not None and b.get("form") == forms["auto"]), None)
     return {"command": "python -m experiments simd" + (" --quick" if args.quick else ""),
             "machine": machine_info(), "cpu_flags": _cpu_simd_flags(), "rounds": args.rounds,
             "threads": args.threads, "builds": builds, "default_mode": default}
@@ -135,6 +136,10 @@ TITLES = {"simd": "Repair overhead by native SIMD build, CPU without AVX-512 (is
 
 
 def _name(b: dict[str, Any]) -> str:
+    """A build's row label: by its form (runs since 2026-11-27), else by its vector width (older JSON, from
+    before the generic form, whose width-0 build was the exact portable one)."""
+    if "form" in b:
+        return {"portable": "portable C", "generic": "generic C", "avx2": "AVX2", "avx512": "AVX-512"}[b["form"]]
     return {0: "portable C", 256: "AVX2", 512: "AVX-512"}.get(b["simd_width"], str(b["simd_width"]))
 
 

@@ -30,7 +30,8 @@ CAP = ["-mno-avx512f"] if X86 else []  # (another target's compiler refuses the 
 
 @pytest.mark.parametrize("mode, flags", [(None, []), ("auto", []), ("portable", ["-DNONANS_PORTABLE"]),
                                          ("avx2", ["-DNONANS_NO_AVX512", *CAP]),
-                                         ("portable-avx2", ["-DNONANS_PORTABLE", *CAP])])
+                                         ("portable-avx2", ["-DNONANS_PORTABLE", *CAP]),
+                                         ("generic", ["-DNONANS_NO_AVX512", "-DNONANS_NO_AVX2"])])
 def test_simd_mode_selects_the_build_flags(monkeypatch, mode, flags):
     if mode is None:
         monkeypatch.delenv("NONANS_NATIVE_SIMD", raising=False)
@@ -41,7 +42,8 @@ def test_simd_mode_selects_the_build_flags(monkeypatch, mode, flags):
 
 def test_unknown_simd_mode_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("NONANS_NATIVE_SIMD", "avx1024")
-    with pytest.raises(ValueError, match="one of 'auto', 'portable', 'avx2', 'portable-avx2', got 'avx1024'"):
+    with pytest.raises(ValueError,
+                       match="one of 'auto', 'portable', 'avx2', 'portable-avx2', 'generic', got 'avx1024'"):
         native._simd_flags()
 
 
@@ -67,6 +69,27 @@ def test_avx2_build_has_no_avx512_code():
         dis = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
         zmm[mode] = dis.count("%zmm")
     assert zmm["avx2"] == 0 and zmm["auto"] > 100, zmm
+
+
+_FORM = "from nonans_optim import native; print(native.scalar_form() or native.failure())"
+
+
+def test_each_mode_builds_its_form():
+    """``native.scalar_form()`` names the fp32 (SF-)AdamW loop a build runs, which the simd experiment and
+    tests/test_native_simd.py key their builds by (the vector width is 0 for both C forms): the exact loops
+    under ``portable``, the tested groups under ``generic``, and by default the best form the CPU has."""
+    if native.library() is None:
+        pytest.skip(f"native kernel unavailable: {native.failure()}")
+    flags = native._cpu_flags().split()
+    best = ("avx512" if {"avx512f", "avx512dq"} <= set(flags) else "avx2" if "avx2" in flags else "generic") if X86 \
+        else "generic"
+    modes = {"portable": "portable", "generic": "generic", "auto": best}
+    if X86 and "avx2" in flags:
+        modes["avx2"] = "avx2"
+    for mode, form in modes.items():
+        proc = subprocess.run([sys.executable, "-c", _FORM], env={**os.environ, "NONANS_NATIVE_SIMD": mode},
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and proc.stdout.split()[-1] == form, (mode, proc.stdout, proc.stderr[-2000:])
 
 
 def test_every_native_source_is_in_the_build_key():

@@ -1,6 +1,7 @@
-"""The SIMD builds of the native loops against the portable build (``NONANS_NATIVE_SIMD=portable``): the
-AVX-512 form (nonans_optim/native/simd_avx512.h: the (SF-)AdamW step and the spectral update) and the AVX2
-form of the (SF-)AdamW step (scalar_avx2.h). Each is the same arithmetic op for op, so every parameter, state
+"""The SIMD builds of the native loops against the portable build (``NONANS_NATIVE_SIMD=portable``, the
+exact loops alone): the AVX-512 form (nonans_optim/native/simd_avx512.h: the (SF-)AdamW step and the spectral
+update), the AVX2 form of the (SF-)AdamW step (scalar_avx2.h) and the generic form a CPU with neither runs
+(scalar_entry.h's tested groups). Each is the same arithmetic op for op, so every parameter, state
 buffer and event count must be bit-identical — over test_fused.py's fault sequence (NaN, ±Inf, a g²
 overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
 on and off, one and two threads, both branches of the lerp formula; over test_fused_spectral.py's for
@@ -13,8 +14,10 @@ test_fused_spectral.py already compare each build with impl="loop" within tolera
 fast paths changed nothing.
 
 Each build runs in its own subprocess (the library is loaded once per process) and saves its results. The
-default build is compared, and on an AVX-512 machine the AVX2 form too (``NONANS_NATIVE_SIMD=avx2``).
-Skipped where the default build has no SIMD form (nothing to compare).
+default build is compared, on an AVX-512 machine the AVX2 form too (``NONANS_NATIVE_SIMD=avx2``), and the
+generic form (``NONANS_NATIVE_SIMD=generic``) wherever it is not the default. The AVX2 form and the generic
+form's tested groups rely on one bound on the inputs (input_limit_); the exact portable build is what checks
+it, which is why the magnitude runs below reach it: a bound too loose writes other bits than the gates.
 """
 from __future__ import annotations
 
@@ -31,10 +34,12 @@ from nonans_optim._global_state import global_entry
 
 HERE = Path(__file__).parent
 
-_WIDTH = native.library().nonans_simd_width() if native.library() is not None else 0
-pytestmark = pytest.mark.skipif(_WIDTH == 0, reason="the native build has no SIMD form on this machine")
-# (NONANS_NATIVE_SIMD, the vector width that build must report): the default, and AVX2 where it is not
-SIMD_BUILDS = [("auto", _WIDTH)] + ([("avx2", 256)] if _WIDTH == 512 else [])
+_FORM = native.scalar_form()
+pytestmark = pytest.mark.skipif(_FORM is None, reason=f"native kernel unavailable: {native.failure()}")
+# (NONANS_NATIVE_SIMD, the form that build must report, native.scalar_form): the default; the AVX2 form where
+# it is not; the generic form (what a CPU without either runs: aarch64) where it is not
+SIMD_BUILDS = ([("auto", _FORM)] + ([("avx2", "avx2")] if _FORM == "avx512" else [])
+               + ([("generic", "generic")] if _FORM != "generic" else []))
 
 # (optimizer, policy, threads, extra constructor arguments)
 CASES = [(cls, policy, 2, {}) for cls in ("AdamW", "SFAdamW") for policy in ("repair", "skip", "off")]
@@ -137,7 +142,7 @@ def magnitude_run(cls, lr, eps, top, top_grad, zero_v=False, dtype=torch.float32
         opt.step()
     return params, opt
 
-out = {"simd_width": torch.tensor(native.library().nonans_simd_width())}
+out = {"simd_width": torch.tensor(native.library().nonans_simd_width()), "form": native.scalar_form()}
 for cls in ("AdamW", "SFAdamW"):
     # β₂ = 0.5 makes the cancelling v exact (scaling by a power of two): the new v is exactly 0 there. The
     # second run reaches the bound (about 4e7 for SFAdamW, 3e6 for AdamW; a bound 1000x too loose fails it)
@@ -228,11 +233,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8) if t.is_floating_point() else t
 
 
-@pytest.mark.parametrize("simd, width", SIMD_BUILDS, ids=[b[0] for b in SIMD_BUILDS])
-def test_simd_build_writes_the_portable_bits(tmp_path, simd, width):
+@pytest.mark.parametrize("simd, form", SIMD_BUILDS, ids=[b[0] for b in SIMD_BUILDS])
+def test_simd_build_writes_the_portable_bits(tmp_path, simd, form):
     # the avx2 build against the portable loops built as for the same CPU (no AVX-512 auto-vectorisation)
     fast, portable = _dump(tmp_path, simd), _dump(tmp_path, "portable-avx2" if simd == "avx2" else "portable")
-    assert (int(fast.pop("simd_width")), int(portable.pop("simd_width"))) == (width, 0)  # two different builds ran
+    assert (fast.pop("form"), portable.pop("form")) == (form, "portable")  # two different builds ran
+    fast.pop("simd_width"), portable.pop("simd_width")
     assert fast.keys() == portable.keys()
     compared, update_events, overflows = 0, 0, {"AdamW": 0, "SFAdamW": 0}
     for key in fast:

@@ -240,3 +240,28 @@ def test_simd_says_when_its_avx2_rows_were_built_with_avx512_code():
     avx2["cflags"] = ["-DNONANS_NO_AVX512"]
     data["cpu_flags"] = [f for f in data["cpu_flags"] if not f.startswith("avx512")]
     assert note not in simd.render(data)
+
+
+def test_simd_labels_its_builds_by_form():
+    """Two C builds report vector width 0 since the generic form (2026-11-27): runs since then record each
+    build's form and label its rows by it (the default too); older JSON, whose width-0 build is the exact
+    portable one, keeps its width labels."""
+    import copy
+    import json
+
+    from experiments import simd
+
+    data = json.loads((ROOT / "results" / "simd_avx512.json").read_text())
+    if all("form" not in b for b in data["builds"]):  # published before the form was recorded
+        assert "| portable C | AdamW |" in simd.render(data) and "| generic C |" not in simd.render(data)
+        for b in data["builds"]:
+            b["form"] = {0: "portable", 256: "avx2", 512: "avx512"}[b["simd_width"]]
+        generic = copy.deepcopy(next(b for b in data["builds"] if b["form"] == "portable"))
+        generic.update(mode="generic", form="generic")
+        data["builds"].insert(1, generic)
+    text = simd.render(data)
+    for label in ("portable C", "generic C", "AVX2", "AVX-512 (default)"):
+        assert f"| {label} | AdamW |" in text, label
+    data["default_mode"] = "generic"
+    assert "| generic C (default) | AdamW |" in simd.render(data)
+    assert "the default build here (generic C)" in simd.render(data)

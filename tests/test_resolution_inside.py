@@ -217,11 +217,11 @@ def _bad_step_size_run(info, impl, policy, value):
 @pytest.mark.parametrize("policy", ["repair", "skip"])
 @pytest.mark.parametrize("info, impl", STEP_SIZE_CASES, ids=impl_ids(STEP_SIZE_CASES))
 def test_nonfinite_step_size_is_contained(info, impl, policy, value):
-    """A step size that is NaN or +Inf makes every new parameter non-finite from finite inputs: the last-line update guard
-    keeps each parameter (and z) and the update stage counts every entry, in every implementation as in the
-    loop; the run goes on once the lr is finite again. The AVX2 (SF-)AdamW loop's early test bounded the
-    inputs only and stored the NaN parameters until 2026-11-27 (native/scalar_entry.h, finite_hyper_;
-    tests/test_native_simd.py compares that build with the portable one on this run)."""
+    """A step size that is NaN or +Inf makes every new parameter non-finite from finite inputs: the last-line
+    update guard keeps each parameter (and z) and the update stage counts every entry, in every
+    implementation as in the loop; the run goes on once the lr is finite again. The AVX2 (SF-)AdamW loop's
+    early test bounded the inputs only and stored the NaN parameters until 2026-11-27 (native/scalar_entry.h,
+    finite_hyper_; tests/test_native_simd.py compares that build with the portable one on this run)."""
     model, opt, before = _bad_step_size_run(info, impl, policy, value)
     assert all_finite(model, opt)
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))  # stepping again

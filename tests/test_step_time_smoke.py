@@ -212,8 +212,10 @@ def test_simd_quick(tmp_path):
     data = _run("simd", tmp_path)
     assert data["command"] == "python -m experiments simd --quick"
     built = [b for b in data["builds"] if b["simd_width"] is not None]
-    assert built and built[0]["mode"] == "portable" and built[0]["simd_width"] == 0  # the reference always builds
-    assert len({b["simd_width"] for b in built}) == len(built)  # a build that repeats another's width is left out
+    assert built and built[0]["mode"] == "portable" and built[0]["form"] == "portable"  # the reference always builds
+    assert built[1]["mode"] == "generic" and built[1]["form"] == "generic"  # as a CPU without SIMD forms has it
+    assert len({b["form"] for b in built}) == len(built)  # a build that repeats another's form is left out
+    assert data["default_mode"] in [b["mode"] for b in built]
     assert data["default_mode"] in {b["mode"] for b in built}
     for b in built:
         assert {(r["optimizer"], r["entries"]) for r in b["rows"]} == {

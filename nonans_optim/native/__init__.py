@@ -26,8 +26,11 @@ starting a second one. The shared object is cached under ``$NONANS_CACHE_DIR`` (
 Where the CPU has AVX-512 (F and DQ), ``-march=native`` also compiles in the intrinsics forms of the
 (SF-)AdamW loop (``scalar_avx512.h``) and of the spectral update loop (``spectral_post.c``), which check
 and count the resolution far more cheaply (``simd_avx512.h``); where it has AVX2 but not AVX-512, the
-AVX2 form of the (SF-)AdamW loop (``scalar_avx2.h``). ``NONANS_NATIVE_SIMD=portable`` leaves them out;
-``NONANS_NATIVE_SIMD=avx2`` builds as for an AVX2-only CPU (:func:`_simd_flags`).
+AVX2 form of the (SF-)AdamW loop (``scalar_avx2.h``); on any other CPU (aarch64, say) the generic form
+(``scalar_entry.h``'s ``update_block_spec``: groups of entries tested on their inputs, then the stock
+arithmetic, which gcc vectorises for that CPU). ``NONANS_NATIVE_SIMD=portable`` builds the exact portable
+loops alone (the tests' reference); ``avx2`` and ``generic`` build as for a CPU with that form only
+(:func:`_simd_flags`; :func:`scalar_form` says which one a build runs).
 
 ``NONANS_NATIVE=0`` disables it. When it cannot be built, :func:`library` returns None, :func:`failure`
 says why, and ``impl="fused"`` warns once and runs ``impl="compiled"``.
@@ -48,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["library", "failure", "record_step", "record_pack", "Int64Array", "SOURCES"]
+__all__ = ["library", "failure", "scalar_form", "record_step", "record_pack", "Int64Array", "SOURCES"]
 
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "common.h", _DIR / "simd_avx512.h", _DIR / "scalar_avx512.h", _DIR / "scalar_avx2.h",
@@ -69,6 +72,13 @@ _FAILURE: list[str] = []
 def failure() -> str | None:
     """Why the native kernel is unavailable in this process (None while it is available or untried)."""
     return _FAILURE[0] if _FAILURE else None
+
+
+def scalar_form() -> str | None:
+    """The form of the fp32 (SF-)AdamW loop in the loaded build — "avx512", "avx2", "generic" or "portable"
+    (``nonans_scalar_form`` in scalar_step.c) — or None when the library is unavailable."""
+    lib = library()
+    return None if lib is None else lib.nonans_scalar_form().decode()
 
 
 def _compiler() -> str | None:
@@ -101,14 +111,18 @@ def _cache_dirs() -> list[Path]:
     return [first, Path(tempfile.gettempdir()) / f"nonans_optim-{uid}"]
 
 
-_SIMD_MODES = ("auto", "portable", "avx2", "portable-avx2")
+_SIMD_MODES = ("auto", "portable", "avx2", "portable-avx2", "generic")
 # x86 only: another target's compiler refuses the flag (the avx2 modes mean nothing there)
 _NO_AVX512 = ["-mno-avx512f"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
 
 
 def _simd_flags() -> list[str]:
-    """``NONANS_NATIVE_SIMD=portable`` builds the portable loops only (scalar_avx512.h and scalar_avx2.h
-    compiled out): the reference that tests/test_native_simd.py compares the SIMD builds with, bit for bit.
+    """``NONANS_NATIVE_SIMD=portable`` builds the exact portable loops only (scalar_avx512.h, scalar_avx2.h
+    and the tested groups of the generic form compiled out): the reference that tests/test_native_simd.py
+    compares the other builds with, bit for bit. ``generic`` builds as for a CPU with neither SIMD form
+    (aarch64, an x86 CPU without AVX2), whose fp32 loop tests groups of entries on their inputs and runs the
+    stock arithmetic on those that pass (scalar_entry.h, ``update_block_spec``); gcc still vectorises it for
+    this CPU (``-march=native``), as it would for that one.
     ``avx2`` builds as for a CPU with AVX2 and no AVX-512, so an AVX-512 machine can build, test and time
     the AVX2 form: the AVX-512 form left out, and ``-mno-avx512f`` after ``-march=native`` so that gcc does
     not auto-vectorise the rest (the portable loops, the spectral row sums) with AVX-512 either — until
@@ -119,7 +133,8 @@ def _simd_flags() -> list[str]:
     if mode not in _SIMD_MODES:
         raise ValueError(f"NONANS_NATIVE_SIMD must be one of {', '.join(map(repr, _SIMD_MODES))}, got {mode!r}")
     return {"auto": [], "portable": ["-DNONANS_PORTABLE"], "avx2": ["-DNONANS_NO_AVX512", *_NO_AVX512],
-            "portable-avx2": ["-DNONANS_PORTABLE", *_NO_AVX512]}[mode]
+            "portable-avx2": ["-DNONANS_PORTABLE", *_NO_AVX512],
+            "generic": ["-DNONANS_NO_AVX512", "-DNONANS_NO_AVX2"]}[mode]
 
 
 def _build(cc: str, flags: list[str], out: Path) -> str | None:
@@ -167,6 +182,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                      ptr, i32, i32]
     pre.restype = post.restype = ctypes.c_int
     lib.nonans_simd_width.argtypes, lib.nonans_simd_width.restype = [], ctypes.c_int
+    lib.nonans_scalar_form.argtypes, lib.nonans_scalar_form.restype = [], ctypes.c_char_p
     r = lib.nonans_record_step
     r.argtypes = [i64, i64, ptr, i64, f32, f32, i64, i64] + [ptr] * 11
     r.restype = None

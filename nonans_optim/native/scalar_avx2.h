@@ -21,7 +21,7 @@
  * without the test. */
 #ifndef NONANS_SCALAR_AVX2_H
 #define NONANS_SCALAR_AVX2_H
-#if defined(__AVX2__) && !defined(NONANS_AVX512) && !defined(NONANS_PORTABLE)
+#if defined(__AVX2__) && !defined(NONANS_AVX512) && !defined(NONANS_PORTABLE) && !defined(NONANS_NO_AVX2)
 #define NONANS_AVX2 1
 #include <immintrin.h>
 

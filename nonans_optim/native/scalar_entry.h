@@ -1,7 +1,8 @@
 /* The (SF-)AdamW step's per-entry arithmetic and its portable block loop, for scalar_step.c: the
  * hyperparameters (hyper_t), the magnitude bounds of the early tests (clean_limit_, input_limit_), the sums
- * of squares of pass 1, one entry's gates and values (entry_) and the loop over a block of entries that
- * every build runs where a block needs the exact path (update_block_t_). scalar_avx512.h, included in the
+ * of squares of pass 1, one entry's gates and values (entry_), the loop over a block of entries that
+ * every build runs where a block needs the exact path (update_block_t_) and the generic build's form of it
+ * (update_block_spec, at the end). scalar_avx512.h, included in the
  * middle, is the AVX-512 form of the block loop and its sums; scalar_step.c includes the other SIMD forms
  * after this file (they call update_block on their rare paths) and drives the blocks over tensors and
  * threads.
@@ -233,6 +234,69 @@ static inline __attribute__((always_inline)) void update_block(
         int hold, int keep_all, int64_t *c) {
     update_block_t_(0, sf, gate, clean, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
                     keep_all, c);
+}
+
+/* update_block for [b0, b1) as the generic build runs it (scalar_step.c: a CPU without the AVX-512 and
+ * AVX2 forms — aarch64, say — unless NONANS_PORTABLE asks for the exact loops alone): same arguments,
+ * same bits, same counts. Under a gate with a bound (input_limit_), each group of SPEC_F32 entries runs
+ * the stock arithmetic (entry_ without gates) into three small arrays while the same loop takes the
+ * largest magnitude of g, p and m or z and the largest raw bits of the old v; a group within the bound
+ * cannot fire a gate (clean_limit_'s derivation), so its arrays are the gated loop's values and are copied
+ * out; a group that fails, and the tail, are computed again by the gated loop from their untouched
+ * inputs. The test on bit patterns is the AVX2 form's (scalar_avx2.h), the frame scalar_bf16.h's.
+ *
+ * Why: gcc vectorises the gated loop by if-converting its selects, computing both sides of each; built
+ * this way on an x86 CPU, "repair" ran 1.13-1.2x (AdamW) and 1.25-1.57x (SFAdamW) "off" in fp32
+ * (RESULTS.md, "simd-avx512", portable C rows), where the bf16 loop, which has run this frame since
+ * 2026-11-26, ran 1.06-1.08x. */
+#define SPEC_F32 64
+
+static inline uint32_t f32_bits_(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static inline __attribute__((always_inline)) void update_block_spec(
+        const int sf, const int gate, const int clean, const int decay_z,
+        float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict z,
+        int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
+        int hold, int keep_all, int64_t *c) {
+    const float lim = gate && !hold && !keep_all ? input_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f;
+    if (!(lim > 0.0f)) { /* "off", a held or "skip" tensor, no bound (eps = 0, a non-finite hyperparameter) */
+        update_block(sf, gate, clean, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold, keep_all,
+                     c);
+        return;
+    }
+    const uint32_t lb = f32_bits_(lim), vlb = f32_bits_(FLT_MAX / 4.0f);
+    float *const S = sf ? z : m;
+    int64_t j = b0;
+    for (; j + SPEC_F32 <= b1; j += SPEC_F32) {
+        float ty[SPEC_F32], tv[SPEC_F32], ts[SPEC_F32];
+        uint32_t mx = 0, vx = 0;
+#pragma omp simd reduction(max : mx, vx)
+        for (int l = 0; l < SPEC_F32; l++) {
+            const float gf = g[j + l], pf = p[j + l], sv = S[j + l], vf = v[j + l];
+            const uint32_t a = f32_bits_(gf) & 0x7FFFFFFFu, b = f32_bits_(pf) & 0x7FFFFFFFu;
+            const uint32_t d = f32_bits_(sv) & 0x7FFFFFFFu, vb = f32_bits_(vf), ab = a > b ? a : b;
+            const uint32_t abd = ab > d ? ab : d;
+            mx = abd > mx ? abd : mx;
+            vx = vb > vx ? vb : vx;
+            const entry_t e = entry_(0, sf, 0, 0, decay_z, gf, vf, sv, pf, s, lr, wdf, lrc, bc1, bc2, h, 0, 0);
+            ty[l] = e.y;
+            tv[l] = e.vn;
+            ts[l] = e.sn;
+        }
+        if (mx <= lb && vx <= vlb) {
+            memcpy(p + j, ty, sizeof ty);
+            memcpy(v + j, tv, sizeof tv);
+            memcpy(S + j, ts, sizeof ts);
+        } else {
+            update_block(sf, 1, clean, decay_z, p, g, m, v, z, j, j + SPEC_F32, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
+        }
+    }
+    if (j < b1)
+        update_block(sf, 1, clean, decay_z, p, g, m, v, z, j, b1, s, lr, wdf, lrc, bc1, bc2, h, 0, 0, c);
 }
 
 #endif /* NONANS_SCALAR_ENTRY_H */

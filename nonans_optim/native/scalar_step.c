@@ -29,9 +29,9 @@
  * "off", and both run this same code, so the only difference may be the selects, which change nothing
  * on a clean entry. Build and loading: nonans_optim/native/__init__.py.
  *
- * The per-entry arithmetic and the portable block loop are in scalar_entry.h, their SIMD forms in
- * scalar_avx512.h, scalar_avx2.h and (bf16) scalar_*bf16.h; this file drives the blocks over tensors and
- * threads and keeps the counts.
+ * The per-entry arithmetic, the exact portable block loop and its generic form (tested groups, for a CPU
+ * without the SIMD forms) are in scalar_entry.h, the SIMD forms in scalar_avx512.h, scalar_avx2.h and (bf16)
+ * scalar_*bf16.h; this file drives the blocks over tensors and threads and keeps the counts.
  */
 #include <float.h>
 #include <stdlib.h>
@@ -48,8 +48,11 @@
 #elif defined(NONANS_AVX2)
 #define UPDATE_BLOCK update_block_avx2
 #define UPDATE_BLOCK_BF16 update_block_bf16_avx2
+#elif defined(NONANS_PORTABLE)
+#define UPDATE_BLOCK update_block /* the exact loops alone: the reference the other builds are tested against */
+#define UPDATE_BLOCK_BF16 update_block_bf16_
 #else
-#define UPDATE_BLOCK update_block
+#define UPDATE_BLOCK update_block_spec /* the generic build: scalar_entry.h's tested groups */
 #define UPDATE_BLOCK_BF16 update_block_bf16_
 #endif
 
@@ -62,6 +65,21 @@ int nonans_simd_width(void) {
     return 256;
 #else
     return 0;
+#endif
+}
+
+/* Which form of the fp32 (SF-)AdamW loop this build runs: "avx512", "avx2", "generic" (scalar_entry.h's
+ * tested groups, on a CPU with neither SIMD form) or "portable" (the exact loops alone, NONANS_PORTABLE: the
+ * reference the others are compared with bit for bit). The vector width cannot tell the last two apart. */
+const char *nonans_scalar_form(void) {
+#if defined(NONANS_AVX512)
+    return "avx512";
+#elif defined(NONANS_AVX2)
+    return "avx2";
+#elif defined(NONANS_PORTABLE)
+    return "portable";
+#else
+    return "generic";
 #endif
 }
 
