@@ -265,3 +265,12 @@ def test_simd_labels_its_builds_by_form():
     data["default_mode"] = "generic"
     assert "| generic C (default) | AdamW |" in simd.render(data)
     assert "the default build here (generic C)" in simd.render(data)
+    default = next(b for b in data["builds"] if b["mode"] == "generic")
+    row = copy.deepcopy(default["rows"][0])
+    row.update(optimizer="SFNorMuon", entries=8 * 256 * 256, shape=[8, 256, 256])
+    row["repair"]["median"] = simd.TARGET + 0.01
+    default["rows"].append(row)
+    text = simd.render(data)
+    assert "| generic C (default) | SFNorMuon (8 × 256×256) | fp32 | 524,288 |" in text
+    assert f"SFNorMuon (8 × 256×256) fp32 at 524,288 ({simd.TARGET + 0.01:.4f})" in text  # judged as the others
+    assert "(SFNorMuon: a stack of same-shape matrices" in text

@@ -215,11 +215,11 @@ def test_simd_quick(tmp_path):
     assert built and built[0]["mode"] == "portable" and built[0]["form"] == "portable"  # the reference always builds
     assert built[1]["mode"] == "generic" and built[1]["form"] == "generic"  # as a CPU without SIMD forms has it
     assert len({b["form"] for b in built}) == len(built)  # a build that repeats another's form is left out
-    assert data["default_mode"] in [b["mode"] for b in built]
     assert data["default_mode"] in {b["mode"] for b in built}
     for b in built:
-        assert {(r["optimizer"], r["entries"]) for r in b["rows"]} == {
-            (o, n) for o in ("AdamW", "SFAdamW") for n in (1 << 10, 1 << 12)}
+        assert sorted((r["optimizer"], r["dtype"], r["entries"]) for r in b["rows"]) == sorted(
+            [(o, d, n) for o in ("AdamW", "SFAdamW") for d in ("fp32", "bf16") for n in (1 << 10, 1 << 12)]
+            + [("SFNorMuon", d, 2 * 32 * 32) for d in ("fp32", "bf16")])  # the spectral stack, quick: 2 x 32x32
         for r in b["rows"]:
             assert _finite_positive(r["off_ms"]) and _finite_positive(r["repair"]["median"])
             assert ("off_vs_torch_fused" in r) == (r["optimizer"] == "AdamW")
