@@ -118,6 +118,7 @@ def _combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, row in enumerate(runs[0]["rows"]):
         per = [r["rows"][i] for r in runs]
         comb = {"optimizer": row["optimizer"], "dtype": row["dtype"], "entries": row["entries"],
+                **({"shape": row["shape"]} if "shape" in row else {}),
                 "off_ms": statistics.median(r["off_ms"] for r in per)}
         for key in ("repair", "aa", "off_vs_torch_fused"):
             if key in row:

@@ -220,6 +220,7 @@ def test_simd_quick(tmp_path):
         assert sorted((r["optimizer"], r["dtype"], r["entries"]) for r in b["rows"]) == sorted(
             [(o, d, n) for o in ("AdamW", "SFAdamW") for d in ("fp32", "bf16") for n in (1 << 10, 1 << 12)]
             + [("SFNorMuon", d, 2 * 32 * 32) for d in ("fp32", "bf16")])  # the spectral stack, quick: 2 x 32x32
+        assert all(r.get("shape") == ([2, 32, 32] if r["optimizer"] == "SFNorMuon" else None) for r in b["rows"])
         for r in b["rows"]:
             assert _finite_positive(r["off_ms"]) and _finite_positive(r["repair"]["median"])
             assert ("off_vs_torch_fused" in r) == (r["optimizer"] == "AdamW")
