@@ -196,7 +196,7 @@ def test_cpu_verdicts_judge_every_row_and_say_what_noise_does_not_resolve():
     over = [r for r in default["rows"] if r["repair"]["median"] > simd.TARGET]
     assert "at every size run" in text and over  # (the published run misses somewhere: the branch is not vacuous)
     for r in default["rows"]:  # every size judged, each miss to four decimals (1.0204 once printed as "1.020")
-        label = f"{r['optimizer']} {r.get('dtype', 'fp32')} at {r['entries']:,} ({r['repair']['median']:.4f})"
+        label = f"{simd._label(r)} {r.get('dtype', 'fp32')} at {r['entries']:,} ({r['repair']['median']:.4f})"
         assert (label in text) == (r in over), label
     data = json.loads((ROOT / "results" / "overhead.json").read_text())
     text = overhead_render.render(data)
