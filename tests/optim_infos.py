@@ -72,6 +72,28 @@ class TinyNet(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.relu(self.norm(self.fc1(h))))))
 
 
+class Wide(nn.Module):
+    """Two Linear layers whose width changes every shape but not the number of parameter tensors."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        torch.manual_seed(width)
+        self.fc1, self.fc2 = nn.Linear(6, width), nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def steps_on(model, opt, n: int, seed: int = 0) -> None:
+    """``n`` steps of ``opt`` on ``model`` (a :class:`Wide`) with a mean-square loss on fresh inputs."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(16, 6, generator=g).to(dtype)).square().mean().backward()
+        opt.step()
+
+
 def make_model(seed: int = 0, dtype=torch.float32) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet().to(dtype)
