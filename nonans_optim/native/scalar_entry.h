@@ -245,10 +245,13 @@ static inline __attribute__((always_inline)) void update_block(
  * out; a group that fails, and the tail, are computed again by the gated loop from their untouched
  * inputs. The test on bit patterns is the AVX2 form's (scalar_avx2.h), the frame scalar_bf16.h's.
  *
- * Why: gcc vectorises the gated loop by if-converting its selects, computing both sides of each; built
- * this way on an x86 CPU, "repair" ran 1.13-1.2x (AdamW) and 1.25-1.57x (SFAdamW) "off" in fp32
- * (RESULTS.md, "simd-avx512", portable C rows), where the bf16 loop, which has run this frame since
- * 2026-11-26, ran 1.06-1.08x. */
+ * Why: gcc vectorises the gated loop by if-converting its selects, computing both sides of each. On an
+ * x86 CPU with AVX-512 (python -m experiments simd, 2026-11-27, RESULTS.md "simd-avx512"; fp32, 65K / 1M /
+ * 16M entries) "repair" ran 1.14 / 1.09 / 1.19x "off" (AdamW) and 1.24 / 1.49 / 1.31x (SFAdamW) in the exact
+ * portable build, 1.07 / 1.02 / 1.01x and 1.05 / 1.06 / 1.02x in this form. The bf16 loop has run this
+ * frame since 2026-11-26. No aarch64 machine has measured it; built here without AVX-512's masked vectors
+ * (-mno-avx512f, closer to NEON), the gated loop's C call ran 1.8-2.2x "off" and this form's 1.06-1.38x (a
+ * scratch script, not in RESULTS.md). */
 #define SPEC_F32 64
 
 static inline uint32_t f32_bits_(float x) {
