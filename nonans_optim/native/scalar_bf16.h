@@ -67,8 +67,8 @@ static inline __attribute__((always_inline)) void update_block_bf16_(
         void *restrict p, const void *restrict g, void *restrict m, void *restrict v, void *restrict z,
         int64_t b0, int64_t b1, float s, float lr, float wdf, float lrc, float bc1, float bc2, const hyper_t h,
         int hold, int keep_all, int64_t *c) {
-    const float lim = gate && !hold && !keep_all && finite_hyper_(s, lr, wdf, lrc, bc1, bc2, h)
-                          ? input_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f;
+    /* (input_limit_ is 0 for a non-finite hyperparameter: clean_limit_ asks finite_hyper_) */
+    const float lim = gate && !hold && !keep_all ? input_limit_(sf, decay_z, s, lr, wdf, lrc, bc1, bc2, h) : 0.0f;
     if (!(lim > 0.0f)) { /* "off", a tensor decided by its whole gradient (held, "skip"), a non-finite
                           * hyperparameter, or no bound (eps = 0) */
         update_block_t_(1, sf, gate, clean, decay_z, p, g, m, v, z, b0, b1, s, lr, wdf, lrc, bc1, bc2, h, hold,
