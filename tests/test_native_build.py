@@ -48,6 +48,15 @@ def test_unknown_simd_mode_is_refused_by_name(monkeypatch):
 
 
 _LIBRARY = "from nonans_optim import native; lib = native.library(); print(lib._name if lib else native.failure())"
+_FORM = "from nonans_optim import native; print(native.scalar_form() or native.failure())"
+
+
+def _in_build(mode: str, code: str) -> str:
+    """The last line ``code`` prints in a fresh process built with ``NONANS_NATIVE_SIMD=mode``."""
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NONANS_NATIVE_SIMD": mode},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip(), (mode, proc.stdout, proc.stderr[-2000:])
+    return proc.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.skipif(not X86 or shutil.which("objdump") is None, reason="x86 objdump needed")
@@ -62,16 +71,11 @@ def test_avx2_build_has_no_avx512_code():
         pytest.skip("no C compiler on this machine")
     zmm = {}
     for mode in ("avx2", "auto"):
-        proc = subprocess.run([sys.executable, "-c", _LIBRARY], env={**os.environ, "NONANS_NATIVE_SIMD": mode},
-                              capture_output=True, text=True, timeout=600)
-        path = proc.stdout.strip().splitlines()[-1]
-        assert proc.returncode == 0 and os.path.exists(path), (mode, proc.stdout, proc.stderr[-2000:])
+        path = _in_build(mode, _LIBRARY)
+        assert os.path.exists(path), (mode, path)
         dis = subprocess.run(["objdump", "-d", path], capture_output=True, text=True, check=True).stdout
         zmm[mode] = dis.count("%zmm")
     assert zmm["avx2"] == 0 and zmm["auto"] > 100, zmm
-
-
-_FORM = "from nonans_optim import native; print(native.scalar_form() or native.failure())"
 
 
 def test_each_mode_builds_its_form():
@@ -87,9 +91,7 @@ def test_each_mode_builds_its_form():
     if X86 and "avx2" in flags:
         modes["avx2"] = "avx2"
     for mode, form in modes.items():
-        proc = subprocess.run([sys.executable, "-c", _FORM], env={**os.environ, "NONANS_NATIVE_SIMD": mode},
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0 and proc.stdout.split()[-1] == form, (mode, proc.stdout, proc.stderr[-2000:])
+        assert _in_build(mode, _FORM) == form, mode
 
 
 def test_every_native_source_is_in_the_build_key():
