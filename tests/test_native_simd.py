@@ -6,10 +6,10 @@ buffer and event count must be bit-identical — over test_fused.py's fault sequ
 overflow, the hold rule, a spike the guard rescales, the pre-pass path), under every policy, with the guard
 on and off, one and two threads, both branches of the lerp formula; over test_fused_spectral.py's for
 SF-NorMuon, Muon and FullFusion (under "skip" too); and with updates that overflow to ±Inf and NaN inside
-the step (the update stage's NaN/Inf split), and a step size that is NaN for one step; most runs in bf16 as well
-(the (SF-)AdamW loop:
-scalar_avx512_bf16.h or scalar_avx2_bf16.h against the portable scalar_bf16.h; the spectral loops' bf16
-rows, and one value in the window alone: test_fused_bf16.py's 16 x 1 runs). test_fused.py and
+the step (the update stage's NaN/Inf split), and a step size that is NaN for one step; most runs in bf16
+as well (the (SF-)AdamW loop: scalar_avx512_bf16.h or scalar_avx2_bf16.h against the portable
+scalar_bf16.h; the spectral loops' bf16 rows, and one value in the window alone: test_fused_bf16.py's 16 x 1
+runs). test_fused.py and
 test_fused_spectral.py already compare each build with impl="loop" within tolerances; this pins down that the
 fast paths changed nothing.
 
