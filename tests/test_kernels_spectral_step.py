@@ -34,7 +34,8 @@ from interpreted import assert_interpreted_suite_passes, marker
 pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
-from optim_infos import assert_params_and_state_close, assert_resolution_matches, event_tuples  # noqa: E402
+from optim_infos import (assert_params_and_state_close, assert_params_and_state_near,  # noqa: E402
+                         assert_resolution_matches, event_tuples)
 from test_compiled_spectral import _run  # noqa: E402  (its model and fault sequence)
 from test_fused_spectral import OVERFLOW_DIRECTIONS, OVERFLOW_IDS  # noqa: E402
 
@@ -46,6 +47,9 @@ CASES = [(no.SFNorMuon, {}), (no.Muon, {}), (no.Fusion, {"components": ("ns5", "
 IDS = ["SFNorMuon", "Muon", "Fusion-ns5-normuon", "Fusion-ns5-sf", "Fusion-mona", "FullFusion"]
 SHAPES = [(12, 300), (12, 300), (90, 20), (33, 17)]  # several blocks; a bucket of two; tall; ragged
 SQUARE = [(24, 24), (24, 24), (20, 20), (24, 24)]  # a bucket of three (0, 1, 3): KL-Shampoo's stacks
+# on CUDA, how far the stacks may sit from the loop, as a share of each tensor's scale: batched QR and products
+# round differently there, and the basis refresh amplifies it (tests/test_kl_conditioning.py)
+KL_ROUNDING = 1e-2
 
 
 def _force_triton(monkeypatch, kl_batched: bool = False):
@@ -124,7 +128,10 @@ def case_kl_batched_matches_loop(device, policy, factor, monkeypatch):
     kw = dict(device=device, ns5_dtype="fp32", spike_factor=factor, cls=no.FullFusion, shapes=SQUARE)
     ref, ref_opt = _run_wide("loop", policy, **kw)
     got, got_opt = _run_wide("fused", policy, **kw)
-    assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    if torch.device(device).type == "cpu":  # one LAPACK/BLAS call per matrix, stacked or not
+        assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    else:
+        assert_params_and_state_near(ref, ref_opt, got, got_opt, rel=KL_ROUNDING)
     assert_resolution_matches(ref_opt, got_opt, ema_rtol=1e-6)
     assert 3 in stacks
 
