@@ -171,7 +171,7 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple]]] = [
     ("(SF-)AdamW update", "AdamW, repair", lambda: _scalar_update(False, True)),
     ("(SF-)AdamW update", "SFAdamW, off", lambda: _scalar_update(True, False)),
     ("(SF-)AdamW update", "SFAdamW, repair", lambda: _scalar_update(True, True)),
-    # decisions, update and record in one launch (NONANS_TRITON_ONE_LAUNCH=1)
+    # decisions, update and record in one launch (the default "repair" step; NONANS_TRITON_ONE_LAUNCH=0: three)
     ("(SF-)AdamW update", "AdamW, repair, one launch", lambda: _scalar_one(False)),
     ("(SF-)AdamW update", "SFAdamW, repair, one launch", lambda: _scalar_one(True)),
     # the launch shape python -m experiments kernels sweeps: 1024 x 8 warps holds 4 entries per thread, not 8

@@ -9,8 +9,8 @@ public functions are resolved lazily (PEP 562 ``__getattr__``) from their module
 * Elementwise (``fused_adamw.py``, ``momentum.py``): ``fused_adamw_``, ``momentum_update_`` and their
   references ``fused_adamw_reference_``, ``momentum_update_reference_``.
 * The multi-tensor (SF-)AdamW + resolution step of ``impl="fused"`` on CUDA (``scalar_step.py``):
-  ``scalar_step_`` and its reference ``scalar_step_reference_``; opt-in (``NONANS_TRITON_ONE_LAUNCH=1``),
-  its default "repair" step with the decisions and the record in the same launch (``scalar_one.py``).
+  ``scalar_step_`` and its reference ``scalar_step_reference_``; its default "repair" step runs with the
+  decisions and the record in the same launch (``scalar_one.py``; ``NONANS_TRITON_ONE_LAUNCH=0`` opts out).
 """
 from __future__ import annotations
 

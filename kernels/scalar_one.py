@@ -1,7 +1,7 @@
 """The (SF-)AdamW "repair" step without the spike guard — the AdamW family's default — in one launch: the
 hold decisions, the update and the resolution record that ``scalar_step.py`` and ``record.py`` spread over
-three launches (decide, update, record). Opt-in (``NONANS_TRITON_ONE_LAUNCH=1``) until a GPU run has
-measured it: see ``nonans_optim/optimizers/_fused_triton.py``.
+three launches (decide, update, record). The default on CUDA since its first GPU run measured it
+(``NONANS_TRITON_ONE_LAUNCH=0`` opts out): see ``nonans_optim/optimizers/_fused_triton.py``.
 
 Why: a small model's step is host-bound on a GPU, and every Triton launch costs the host tens of
 microseconds (RESULTS.md "sync-audit": 46–90 µs per launch on an H200's host), while issue 3's target for

@@ -458,13 +458,14 @@ def case_one_launch_matches_loop(device, cls, monkeypatch):
 
 
 def case_one_launch_is_one_launch(monkeypatch):
-    """Under ``NONANS_TRITON_ONE_LAUNCH=1`` "repair" asks of the host exactly what "off" does: one launch,
-    the same torch ops. Where the step needs more than the hold rule before writing (the spike guard, "skip")
-    or its group is not the step's only producer of counts (two parameter groups), the three launches run."""
+    """By default (``NONANS_TRITON_ONE_LAUNCH`` unset, as "1") "repair" asks of the host exactly what "off"
+    does: one launch, the same torch ops. Where the step needs more than the hold rule before writing (the
+    spike guard, "skip") or its group is not the step's only producer of counts (two parameter groups), the
+    three launches run; "0" runs them always; any other value is refused."""
     from collections import Counter
 
     _force_triton(monkeypatch)
-    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
+    monkeypatch.delenv("NONANS_TRITON_ONE_LAUNCH", raising=False)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
     for cls in (no.AdamW, no.SFAdamW):
         seen = step_launches(monkeypatch, cls(params, lr=1e-3, impl="fused"), params)
@@ -481,6 +482,13 @@ def case_one_launch_is_one_launch(monkeypatch):
                     q.grad = torch.randn_like(q)
                 opt.step()
         assert launches["_decide_kernel"] == 2 and "_one_launch_kernel" not in launches
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "0")
+    opt = no.AdamW(params, lr=1e-3, impl="fused")
+    assert step_launches(monkeypatch, opt, params)["repair"][1] == Counter(["_decide_kernel", "_update_kernel",
+                                                                           "_record_kernel"])
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "yes")
+    with pytest.raises(ValueError, match="NONANS_TRITON_ONE_LAUNCH must be '0' or '1'"):
+        opt.step()
 
 
 def case_one_launch_failure_falls_back(device, monkeypatch):
@@ -659,12 +667,14 @@ def case_repair_adds_only_the_resolution_launches(monkeypatch):
     stand-in for a GPU's launches) and not one torch op — the hold rule's recent flags are read from the
     counters in the decide kernel and the count block is reused, zeroed by the record kernel (each was a
     host-issued launch per step: an H100 sync-audit counted 12 launches per AdamW repair step against 3
-    under "off" before). The default (no spike guard): the decide and record kernels alone — no
-    statistics launch, whose program per block ran on every clean step; with the guard, which needs the
-    norm, the statistics kernel too."""
+    under "off" before). Three launches (``NONANS_TRITON_ONE_LAUNCH=0``; the default runs one, see
+    case_one_launch_is_one_launch), no spike guard: the decide and record kernels alone — no statistics
+    launch, whose program per block ran on every clean step; with the guard, which needs the norm, the
+    statistics kernel too."""
     from collections import Counter
 
     _force_triton(monkeypatch)
+    monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "0")
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
     for cls in (no.AdamW, no.SFAdamW):
         for factor, extra in ((None, ["_decide_kernel", "_record_kernel"]),
@@ -717,10 +727,12 @@ else:
         assert not supported([torch.randn(3), torch.randn(2)])
 
     def test_one_launch_switch(monkeypatch):
-        """``NONANS_TRITON_ONE_LAUNCH``: off unless "1"; any other value than "0"/"1" is refused by name."""
+        """``NONANS_TRITON_ONE_LAUNCH``: on unless "0"; any other value than "0"/"1" is refused by name."""
         from nonans_optim.optimizers._fused_triton import one_launch
 
         monkeypatch.delenv("NONANS_TRITON_ONE_LAUNCH", raising=False)
+        assert one_launch()
+        monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "0")
         assert not one_launch()
         monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
         assert one_launch()

@@ -16,9 +16,9 @@ are put back, one warning names the error, and the step runs ``impl="compiled"``
 
 Host work per step: one small host→device copy of the tensors' addresses (gradients are new tensors after
 every backward) and of the bias corrections; nothing is read back. Launches: "off" one; "repair" adds the
-decisions and the record (two; three with the spike guard's statistics) — or, with
-``NONANS_TRITON_ONE_LAUNCH=1`` (:func:`one_launch`), none where the step's only decision is the hold rule
-(``kernels/scalar_one.py``).
+decisions and the record (two; three with the spike guard's statistics) — none where the step's only
+decision is the hold rule (the default "repair" step, ``kernels/scalar_one.py``; ``NONANS_TRITON_ONE_LAUNCH=0``
+returns it to three launches, :func:`one_launch`).
 """
 from __future__ import annotations
 
@@ -96,11 +96,16 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
 
 
 def one_launch() -> bool:
-    """``NONANS_TRITON_ONE_LAUNCH`` ("0", the default, or "1"), read at each step: "1" runs the (SF-)AdamW
-    "repair" step without the spike guard as one Triton launch (``kernels/scalar_one.py``) instead of three.
-    Opt-in until a GPU run has measured it: verified under the Triton interpreter and compiled for sm_90 on a
-    CPU, never yet run on a GPU."""
-    choice = os.environ.get("NONANS_TRITON_ONE_LAUNCH", "0")
+    """``NONANS_TRITON_ONE_LAUNCH`` ("1", the default, or "0"), read at each step: "1" runs the (SF-)AdamW
+    "repair" step without the spike guard as one Triton launch (``kernels/scalar_one.py``) instead of three
+    (decide, update, record); "0" keeps the three, the same results (tests/test_kernels_scalar_step.py).
+
+    Default since its first GPU run (H200, 2026-11-27, in one lease with the three-launch runs): its
+    gpu-marked tests passed, and on gpt2-small the AdamW / SFAdamW "repair" step cost 1.050 / 1.069 of "off"
+    against 1.151 / 1.126 with three launches, the host's extra time per step +30 / +56 µs against
+    +194 / +283 µs (RESULTS.md "overhead-gpu-gpt2-small", "overhead-gpu-gpt2-small-three-launch",
+    "sync-audit")."""
+    choice = os.environ.get("NONANS_TRITON_ONE_LAUNCH", "1")
     if choice not in ("0", "1"):
         raise ValueError(f"NONANS_TRITON_ONE_LAUNCH must be '0' or '1', got {choice!r}")
     return choice == "1"
