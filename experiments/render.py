@@ -40,6 +40,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "overhead-gpu-gpt2-small": ("overhead_cuda_gpt2-small.json", "experiments.overhead_render:render"),
     # the same command before a change of the defaults, kept beside the run after it
     "overhead-gpu-gpt2-small-foreach": ("overhead_cuda_gpt2-small_foreach.json", "experiments.overhead_render:render"),
+    "overhead-gpu-gpt2-small-three-launch": ("overhead_cuda_gpt2-small_three_launch.json",
+                                             "experiments.overhead_render:render"),
+    # the default optimizers under the one-launch step, beside the full table measured before it was the default
+    "overhead-gpu-one-launch": ("overhead_cuda_one_launch.json", "experiments.overhead_render:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
     "spikes": ("spikes.json", "experiments.spikes:render"),
     "momentum-dtype": ("momentum_dtype.json", "experiments.momentum_dtype:render"),
@@ -54,6 +58,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     # the same command compiled with the GPU image's Triton (experiments/kernel_static.py::GPU_IMAGE_TRITON)
     "kernel-static-triton-3.6": ("kernel_static_triton-3.6.json", "experiments.kernel_static:render"),
     "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),
+    "sync-audit-three-launch": ("sync_audit_three_launch.json", "experiments.sync_audit:render"),
     "op-count": ("op_count.json", "experiments.op_count:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),
 }
@@ -64,6 +69,17 @@ def _function(spec: str) -> Callable[[dict[str, Any]], str]:
     return getattr(importlib.import_module(module), name)
 
 
+# suffixes of a section that holds the same command's run under other defaults (a JSON does not know them)
+VARIANTS = ("-foreach", "-three-launch", "-one-launch")
+
+
+def _base_section(section: str) -> str:
+    """The section a run's JSON would name itself (``overhead.section``), without a variant suffix."""
+    for suffix in VARIANTS:
+        section = section.removesuffix(suffix)
+    return section
+
+
 def _renderable(section: str, data: dict[str, Any] | None) -> bool:
     if data is None:
         return False
@@ -71,7 +87,7 @@ def _renderable(section: str, data: dict[str, Any] | None) -> bool:
         return not data.get("dry_run", True)  # a dry run's timings mean nothing
     if section.startswith("overhead"):
         from experiments.overhead import section as overhead_section
-        return overhead_section(data) == section.removesuffix("-foreach")
+        return overhead_section(data) == _base_section(section)
     return True
 
 
@@ -90,7 +106,9 @@ def render_all(results_md: Path, open_questions_md: Path,
         if not published:
             left.append(section)
             continue
-        replace_section(results_md, section, _function(spec)(data))
+        # the JSON's place in the repository, where a reader finds it: a GPU run's own "json" field names the
+        # folder it was written to on the device ($OUT), not results/
+        replace_section(results_md, section, _function(spec)(dict(data, json=f"results/{name}")))
         done.append(section)
     if (results_dir / "questions").is_dir():
         from experiments.questions import render_open_questions

@@ -131,7 +131,8 @@ def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section of one audit (from its JSON; nothing typed by hand)."""
     # (the date since 2026-11-25: which code a count belongs to is in the session notes of that day)
     when = f", measured {data['date']}{at_commit(data)}" if "date" in data else ""
-    lines = [f"Command: `{data['command']}` (JSON: `results/sync_audit.json`) on {data['device']}, torch "
+    lines = [f"Command: `{data['command']}` (JSON: `{data.get('json', 'results/sync_audit.json')}`) on "
+             f"{data['device']}, torch "
              f"{data['torch']}{when}. "
              + ("Each optimizer as constructed by default (`impl=\"auto\"`)" if "--defaults" in data["command"] else
                 "Each optimizer of the overhead experiment") + " on its GPT, synthetic gradients: host "
