@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.optim import Optimizer
 
+from . import switches
 from ._checkpoint import Checkpointed
 from ._distributed import warn_per_rank_loss
 from ._transfer import to_device
@@ -46,6 +47,7 @@ class NonansOptimizer(Checkpointed, GroupAdmission, StepSize, Telemetry, Optimiz
 
     def __init__(self, params, defaults: dict[str, Any], *, resolution: str, impl: str,
                  spike_factor: float | None = None):
+        switches.check_all()  # the environment switches its steps read: a bad one raises here, not mid-step
         self.spike_factor = spike_factor  # validated by the property
         self.resolution_policy, self.impl = resolution, impl  # validated by the properties
         self._check_group(defaults)  # the defaults, then every group as torch adds it (add_param_group)

@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 from einops import rearrange
 
+from nonans_optim import switches
 from nonans_optim._workspace import Workspace
 from nonans_optim.ns5_gram import iterate_gram
 
@@ -82,7 +83,7 @@ GRAM_MIN_ASPECT = 3.0
 # dispatch) and on every batched stack measured (short sides 512 to 2048). NONANS_NS5_TRITON_MIN_DIM overrides
 # it (another GPU has another crossover).
 TRITON_MIN_DIM = 4096
-_METHODS = ("auto", "standard", "gram")
+_METHODS = switches.NS5_METHODS
 
 
 _NATIVE_BF16: list[bool] = []  # filled once; a plain global, not lru_cache, so torch.compile traces it
@@ -183,15 +184,10 @@ def _resolve_backend(backend: str, device: torch.device, shape: tuple[int, ...])
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
-        backend = os.environ.get("NONANS_NS5_BACKEND") or "auto"
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"NONANS_NS5_BACKEND must be 'auto', 'torch' or 'triton', got {backend!r}")
+        backend = switches.ns5_backend()
     if backend == "auto":
         # Triton only where it has been measured to win (TRITON_MIN_DIM, or the user's own measurement)
-        raw = os.environ.get("NONANS_NS5_TRITON_MIN_DIM") or str(TRITON_MIN_DIM)
-        if not raw.strip().isdigit():
-            raise ValueError(f"NONANS_NS5_TRITON_MIN_DIM must be a non-negative integer, got {raw!r}")
-        min_dim = int(raw)
+        min_dim = switches.ns5_triton_min_dim(TRITON_MIN_DIM)
         if device.type == "cuda" and min(shape) >= min_dim and _triton_ns5() is not None:
             return "triton"
         return "torch"
@@ -213,9 +209,7 @@ def _resolve_method(method: str, requested_backend: str, backend: str, shape: tu
     which only overrides ``"auto"``) never leaves the Triton kernel."""
     _check_method(method, requested_backend)
     if method == "auto":
-        method = os.environ.get("NONANS_NS5_METHOD") or "auto"
-        if method not in _METHODS:
-            raise ValueError(f"NONANS_NS5_METHOD must be 'auto', 'standard' or 'gram', got {method!r}")
+        method = switches.ns5_method()
         if backend == "triton":
             return "standard"
     if method == "auto":

@@ -487,7 +487,7 @@ def case_one_launch_is_one_launch(monkeypatch):
     assert step_launches(monkeypatch, opt, params)["repair"][1] == Counter(["_decide_kernel", "_update_kernel",
                                                                            "_record_kernel"])
     monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "yes")
-    with pytest.raises(ValueError, match="NONANS_TRITON_ONE_LAUNCH must be '0' or '1'"):
+    with pytest.raises(ValueError, match="NONANS_TRITON_ONE_LAUNCH must be one of '0', '1', got 'yes'"):
         opt.step()
 
 
@@ -737,7 +737,7 @@ else:
         monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
         assert one_launch()
         monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "yes")
-        with pytest.raises(ValueError, match="NONANS_TRITON_ONE_LAUNCH must be '0' or '1'"):
+        with pytest.raises(ValueError, match="NONANS_TRITON_ONE_LAUNCH must be one of '0', '1', got 'yes'"):
             one_launch()
 
     def test_backend_choice(monkeypatch):

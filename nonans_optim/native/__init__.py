@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from .. import switches
+
 __all__ = ["library", "failure", "scalar_form", "record_step", "record_pack", "Int64Array", "SOURCES"]
 
 _DIR = Path(__file__).parent
@@ -111,7 +113,6 @@ def _cache_dirs() -> list[Path]:
     return [first, Path(tempfile.gettempdir()) / f"nonans_optim-{uid}"]
 
 
-_SIMD_MODES = ("auto", "portable", "avx2", "portable-avx2", "generic")
 # x86 only: another target's compiler refuses the flag (the avx2 modes mean nothing there)
 _NO_AVX512 = ["-mno-avx512f"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
 
@@ -129,9 +130,7 @@ def _simd_flags() -> list[str]:
     2026-11-27 it did, so that build was the AVX2 intrinsics inside AVX-512 code, which no AVX2-only CPU
     runs. ``portable-avx2`` is the portable loops built the same way: the avx2 build's bit-for-bit
     reference (a reduction auto-vectorised 16 wide sums in another order than one 8 wide)."""
-    mode = os.environ.get("NONANS_NATIVE_SIMD", "auto")
-    if mode not in _SIMD_MODES:
-        raise ValueError(f"NONANS_NATIVE_SIMD must be one of {', '.join(map(repr, _SIMD_MODES))}, got {mode!r}")
+    mode = switches.native_simd()
     return {"auto": [], "portable": ["-DNONANS_PORTABLE"], "avx2": ["-DNONANS_NO_AVX512", *_NO_AVX512],
             "portable-avx2": ["-DNONANS_PORTABLE", *_NO_AVX512],
             "generic": ["-DNONANS_NO_AVX512", "-DNONANS_NO_AVX2"]}[mode]

@@ -22,13 +22,12 @@ returns it to three launches, :func:`one_launch`).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import torch
 
-from .. import kernels
+from .. import kernels, switches
 from .._transfer import to_device
 from ..ns5 import KELLER_COEFFICIENTS, hot_dtype, iterate
 from ..routing import matrix_shape
@@ -39,15 +38,12 @@ from ._kl_stacks import precondition_stacks
 
 __all__ = ["backend", "one_launch", "triton_scalar_update", "triton_spectral_update"]
 
-_BACKENDS = ("auto", "native", "triton")
 _FAILED: list[str] = []  # the first launch failure of this process, if any
 
 
 def backend(device: torch.device) -> str:
     """"native" or "triton": which fused kernel a group on ``device`` should try first."""
-    choice = os.environ.get("NONANS_FUSED_BACKEND", "auto")
-    if choice not in _BACKENDS:
-        raise ValueError(f"NONANS_FUSED_BACKEND must be one of {_BACKENDS}, got {choice!r}")
+    choice = switches.fused_backend()
     if choice == "auto":
         return "native" if device.type == "cpu" else "triton"
     return choice
@@ -105,10 +101,7 @@ def one_launch() -> bool:
     against 1.151 / 1.126 with three launches, the host's extra time per step +30 / +56 µs against
     +194 / +283 µs (RESULTS.md "overhead-gpu-gpt2-small", "overhead-gpu-gpt2-small-three-launch",
     "sync-audit")."""
-    choice = os.environ.get("NONANS_TRITON_ONE_LAUNCH", "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"NONANS_TRITON_ONE_LAUNCH must be '0' or '1', got {choice!r}")
-    return choice == "1"
+    return switches.one_launch()
 
 
 def _scalar_one(args: tuple, indices: list[int], res, step: int, *, sf: bool, decay_z: bool) -> None:
