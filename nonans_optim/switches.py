@@ -7,7 +7,8 @@ that read the switch had been updated — a second ``step()`` once the value was
 gradient to them again. Every optimizer therefore checks them all when it is constructed
 (:func:`check_all`), before any state exists; the readers below raise the same errors if a value is changed
 to a bad one later. Checking them at every step instead would cost the host about 6 µs per step (six
-``os.environ`` reads on a 2-core Xeon), more than the whole "repair" overhead budget of a small step.
+``os.environ.get`` calls under timeit on the project's 2-core Xeon, a scratch measurement of 2026-11-27) —
+more than 2% (issue 3's CPU budget for "repair") of a small tensor's ~120 µs step.
 
 ``NONANS_NATIVE`` and ``NONANS_CACHE_DIR`` take any value ("0" disables the C library; a path), and
 ``TRITON_INTERPRET`` is Triton's own: none of them can be invalid.
