@@ -1,6 +1,7 @@
 """The resolution stage: detect, repair and account for NaN/Inf inside ``step()`` without a host sync.
 
-The contract (for users: README.md, "Resolution"; tested in ``tests/test_resolution.py``):
+The contract (for users: README.md, "Resolution"; tested in ``tests/test_resolution.py``,
+``test_resolution_inside.py`` and ``test_resolution_accounting.py``):
 
 1. finite params and state before ``step()`` ⇒ finite after it, for any pattern of NaN/±Inf in gradients
    and for non-finite values that arise inside the step;

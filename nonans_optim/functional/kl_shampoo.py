@@ -54,7 +54,7 @@ Up to the rounding of batched against single matrix products it is the loop's re
 
 No host syncs by construction: Python branches only on ``step``; flags stay 0-d device tensors. Whether
 CUDA ``torch.linalg.qr`` itself is sync-free is checked by the gpu-marked test in
-tests/test_kl_shampoo.py (not yet run on a GPU).
+tests/test_kl_shampoo.py (passed on an H200, 2026-11-27).
 """
 from __future__ import annotations
 
