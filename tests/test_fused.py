@@ -53,7 +53,7 @@ def _grads(step: int, gen, shapes=SHAPES):
 def _run(cls, impl: str, policy: str, threads: int = 2, device: str = "cpu", clean: bool = False, shapes=SHAPES,
          dtype=torch.float32, **kw):
     """STEPS steps of the fault sequence (``clean``: the same random gradients without the faults) on
-    parameters of ``shapes`` and ``dtype`` on ``device`` (tests/test_kernels_scalar_step.py runs the Triton path
+    parameters of ``shapes`` and ``dtype`` on ``device`` (tests/test_kernels_scalar_one.py runs the Triton path
     through it, on smaller shapes under the interpreter; tests/test_native_simd.py in bf16 too)."""
     torch.manual_seed(0)
     params = [torch.randn(s, device=device).to(dtype).requires_grad_() for s in shapes]

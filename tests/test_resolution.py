@@ -310,7 +310,7 @@ def test_skip_holds_a_persistent_loss_as_the_loop_does(cls, impl):
     even where the update from its stale state would not be finite. The compiled, native and Triton scalar
     paths held only under "repair", so they counted that update, and the extra event fed the escalation
     (found by a differential soak of impl="fused" against impl="loop"; the Triton path runs this in
-    tests/test_kernels_scalar_step.py)."""
+    tests/test_kernels_scalar_one.py)."""
     assert_skip_holds_as_the_loop_does(cls, impl)
 
 

@@ -94,7 +94,7 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
 def one_launch() -> bool:
     """``NONANS_TRITON_ONE_LAUNCH`` ("1", the default, or "0"), read at each step: "1" runs the (SF-)AdamW
     "repair" step without the spike guard as one Triton launch (``kernels/scalar_one.py``) instead of three
-    (decide, update, record); "0" keeps the three, the same results (tests/test_kernels_scalar_step.py).
+    (decide, update, record); "0" keeps the three, the same results (tests/test_kernels_scalar_one.py).
 
     Default since its first GPU run (H200, 2026-11-27, in one lease with the three-launch runs): its
     gpu-marked tests passed, and on gpt2-small the AdamW / SFAdamW "repair" step cost 1.050 / 1.069 of "off"
