@@ -12,10 +12,10 @@ Covered: NS5 with any of MONA, KL-Shampoo, NorMuon and schedule-free (SF-NorMuon
 under every policy, for contiguous fp32 or bf16 CPU parameters and gradients (a bf16 gradient row is widened,
 a parameter row — and MONA's rows, held in the parameter's dtype — rounded once as it is stored, the gates
 testing finiteness as stored; KL-Shampoo reads the bf16 gradient in torch, as impl="loop" does), a bf16 or
-fp32 momentum buffer, and a bf16 or fp32 hot dtype.
+fp32 momentum buffer, and a bf16, fp32 or fp16 hot dtype (fp16: the loops write X in fp32, NS5 casts it).
 Off the CPU (or with ``NONANS_FUSED_BACKEND=triton``) the group goes to the multi-tensor Triton kernels
 instead (``_fused_triton.triton_spectral_update``, the same components).
-Anything neither covers (fp16 NS5, say) returns False and the caller runs
+Anything neither covers (``ns5_dtype="fp16_safe"``, fp16 parameters, say) returns False and the caller runs
 ``impl="compiled"``. "skip" (the loop snapshots every state tensor and restores a tensor whose
 gradient had a bad entry): the loops compute and count such a tensor's whole step and write nothing of
 it, KL-Shampoo's damping included. Semantics are those of ``impl="loop"`` (tests/test_fused_spectral.py).
@@ -135,10 +135,14 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
             or group["ns5_dtype"] == "fp16_safe":
         return False
     hot = hot_dtype(device, group["ns5_dtype"])
+    # the loops write X in fp32 or bf16. An fp16 NS5 iterates on their fp32 X cast to fp16 — ns5's own order:
+    # normalise in fp32, then cast — and its output is widened back for post (the loop would otherwise run
+    # the whole group eagerly: 1.42x "off" under "repair" on the bench's fp16 workload, RESULTS.md "bench")
+    stage = torch.float32 if hot is torch.float16 else hot
     lib = native.library()
     bufs = [st["momentum_buffer"] for st in states]
     buf_dtype = bufs[0].dtype
-    if lib is None or hot not in (torch.bfloat16, torch.float32) or buf_dtype not in (torch.bfloat16, torch.float32):
+    if lib is None or stage not in (torch.bfloat16, torch.float32) or buf_dtype not in (torch.bfloat16, torch.float32):
         return False
     normuon, sf, mona, shampoo = "normuon" in comps, "sf" in comps, "mona" in comps, "shampoo" in comps
     steps = [st["step"] for st in states]
@@ -163,7 +167,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     rows, cols = Int64Array([s[0] for s in shapes]), Int64Array([s[1] for s in shapes])
     buckets = _buckets(params)
     inputs, workspaces, row_ok, hold, raws, scale, bad = _workspace(ctx.get("workspaces", {}), group,
-                                                                     tuple(shapes), buckets, hot, shampoo)
+                                                                     tuple(shapes), buckets, stage, shampoo)
     gate = policy != "off"
     r = resolution_pointers(ctx, indices)
     threads = torch.get_num_threads()
@@ -171,7 +175,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
     hp_mona = (ctypes.c_float * 2)(group["mona_alpha"], 1 - group["mona_beta"])
     rc = lib.nonans_spectral_pre(
         n, g_ptr, b_ptr, int(buf_dtype is torch.bfloat16), _member_pointers(raws if shampoo else inputs, buckets, n),
-        int(hot is torch.bfloat16 and not shampoo), rows, cols, step_ptr,
+        int(stage is torch.bfloat16 and not shampoo), rows, cols, step_ptr,
         ctypes.addressof(hp_pre), int(group["nesterov"]), prev_ptr if mona else None, avg_ptr if mona else None,
         ctypes.addressof(hp_mona) if mona else None, int(shampoo), _POLICY[policy], r["factor"], SPIKE_BETA,
         1 - SPIKE_BETA, r["ema"], r["sel"], r["streak"], r["events"], r["window"],
@@ -185,7 +189,7 @@ def fused_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor],
         precondition_stacks(raws, inputs, buckets, params, grads, states, indices, group, ctx, scales=list(scale),
                             oks=[torch.tensor(b == 0) for b in bad], keep_damping=keep)
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
-    outs = [iterate(X, coefficients, tall=tall, workspace=ws).contiguous()
+    outs = [iterate(X.to(hot), coefficients, tall=tall, workspace=ws).to(stage).contiguous()
             for X, (_, tall), ws in zip(inputs, buckets, workspaces)]
     coef = group["sf_beta"] * (1 - c) - 1 if sf else 0.0
     hp_post = (ctypes.c_float * 5)(1 - group["normuon_beta2"], group["normuon_eps"], group["weight_decay"], c,
