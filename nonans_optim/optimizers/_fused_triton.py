@@ -155,7 +155,9 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     NorMuon and schedule-free on the Triton kernels of ``nonans_optim.kernels.spectral_step`` around the
     batched torch NS5 iteration (and, with KL-Shampoo, :mod:`._kl_stacks` between the momentum side and
     NS5); False (nothing done) when they cannot take this group (no NS5, fp16_safe NS5, 16-bit
-    parameters...: the caller then runs ``impl="compiled"``)."""
+    parameters...: the caller then runs ``impl="compiled"``). An fp16 NS5 runs as on the CPU's loops
+    (``_fused_spectral``): the kernels write X in fp32, NS5 iterates on it cast to fp16, its output is
+    widened for the direction side."""
     if _FAILED or not kernels.available() or "ns5" not in comps or not comps <= _SPECTRAL \
             or group["ns5_dtype"] == "fp16_safe":
         return False
@@ -168,8 +170,9 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     vs = [st["normuon_row_sq"] if normuon else None for st in states]
     monas = ([st["mona_prev_grad"] for st in states], [st["mona_diff_avg"] for st in states]) if mona else None
     hot = hot_dtype(device, group["ns5_dtype"])
+    stage = torch.float32 if hot is torch.float16 else hot  # the dtype the kernels write X in and read O from
     if not k.supported(params, grads, bufs, zs, vs, (*monas[0], *monas[1]) if mona else ()) \
-            or gamma.device != device or hot not in (torch.float32, torch.bfloat16):
+            or gamma.device != device or stage not in (torch.float32, torch.bfloat16):
         return False
     shapes, buckets, sizes, rows = _group_shapes(params)
     check_spectral_sizes(sizes, rows, bufs, zs if sf else None, vs if normuon else None, monas)
@@ -189,10 +192,10 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     gamma = gamma.float()
     try:
         pre = k.spectral_prepare_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes,
-                                  hot=torch.float32 if shampoo else hot, nesterov=group["nesterov"], policy=policy,
+                                  hot=torch.float32 if shampoo else stage, nesterov=group["nesterov"], policy=policy,
                                   factor=factor, monas=monas, raw=shampoo)
-        # with KL-Shampoo pre.inputs hold M (fp32); NS5 reads stacks in the hot dtype, filled below
-        inputs = [torch.empty_like(X, dtype=hot) for X in pre.inputs] if shampoo else pre.inputs
+        # with KL-Shampoo pre.inputs hold M (fp32); NS5 reads stacks in the staging dtype, filled below
+        inputs = [torch.empty_like(X, dtype=stage) for X in pre.inputs] if shampoo else pre.inputs
         if key not in _COMPILED:  # the direction side's compile errors, before the first persistent write
             k.spectral_post_(pre, inputs, params, grads, zs, gamma, hp_post, warmup=True, **post)
             if len(_COMPILED) > 64:
@@ -205,7 +208,7 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     if shampoo:
         _precondition(pre, inputs, buckets, params, grads, states, indices, group, ctx, policy)
     coefficients = [KELLER_COEFFICIENTS] * group["ns_steps"]
-    outs = [iterate(X, coefficients, tall=tall).contiguous() for X, (_, tall) in zip(inputs, buckets)]
+    outs = [iterate(X.to(hot), coefficients, tall=tall).to(stage).contiguous() for X, (_, tall) in zip(inputs, buckets)]
     k.spectral_post_(pre, outs, params, grads, zs, gamma, hp_post, **post)
     mark_written(params, bufs, [z for z in zs if z is not None], [v for v in vs if v is not None],
                  *(monas or ()), resolution_written(ctx))

@@ -80,8 +80,8 @@ class Fusion(NonansOptimizer):
             elementwise work under torch.compile: :mod:`._compiled` and :mod:`._compiled_spectral`) or
             "fused" (that work as native C loops on CPU: :mod:`._fused` and :mod:`._fused_spectral`; on
             CUDA the Triton kernels of :mod:`._fused_triton`, for the AdamW tensors and NS5 spectral groups;
-            groups neither covers — on CUDA fp16 NS5 and 16-bit parameters, on CPU "fp16_safe" NS5 and
-            fp16 parameters — run "compiled", or with KL-Shampoo "foreach").
+            groups neither covers — "fp16_safe" NS5, 16-bit parameters on CUDA, fp16 ones on CPU — run
+            "compiled", or with KL-Shampoo "foreach").
     """
 
     _impls = ("auto", "loop", "foreach", "compiled", "fused")
