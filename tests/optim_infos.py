@@ -184,19 +184,33 @@ def assert_params_and_state_near(ref, ref_opt, got, got_opt, *, rel: float) -> N
     within five steps (tests/test_kl_conditioning.py measures it), and everything downstream inherits that.
     Elementwise tolerances then measure the problem's conditioning, not the code; a wrong stack member, a
     lost guard scale or a held tensor that moved still differ by a large share of the scale."""
+    for key, want, have in floating_pairs(ref, ref_opt, got, got_opt):
+        gap, scale = gap_and_scale(want, have)
+        assert gap <= rel * scale, f"{key}: max |got - ref| {gap:.3g} > {rel} x max |ref| {scale:.3g}"
+
+
+def floating_pairs(ref, ref_opt, got, got_opt):
+    """(key, ref's tensor, got's tensor) for every parameter ("param") and floating-point state tensor of two
+    runs of the same steps, after checking that they hold the same state keys, shapes and dtypes and equal
+    non-floating entries. The optimizer's global state ("nonans") is left to assert_resolution_matches."""
     for p, q in zip(ref, got):
         assert ref_opt.state[p].keys() == got_opt.state[q].keys()
         pairs = [("param", p.detach(), q.detach())] + [(k, v, got_opt.state[q][k]) for k, v in ref_opt.state[p].items()]
         for key, want, have in pairs:
-            if key == "nonans":  # the optimizer's global state: assert_resolution_matches compares it
+            if key == "nonans":
                 continue
             if not (torch.is_tensor(want) and want.is_floating_point()):
                 assert torch.equal(torch.as_tensor(have), torch.as_tensor(want)), key
                 continue
             assert have.shape == want.shape and have.dtype == want.dtype, key
-            scale = want.abs().max().item() if want.numel() else 0.0
-            gap = (have - want).abs().max().item() if want.numel() else 0.0
-            assert gap <= rel * scale, f"{key}: max |got - ref| {gap:.3g} > {rel} x max |ref| {scale:.3g}"
+            yield key, want, have
+
+
+def gap_and_scale(want: torch.Tensor, have: torch.Tensor) -> tuple[float, float]:
+    """(max|have − want|, max|want|), both 0 for an empty tensor."""
+    if not want.numel():
+        return 0.0, 0.0
+    return (have - want).abs().max().item(), want.abs().max().item()
 
 
 def event_tuples(opt) -> list[tuple]:

@@ -17,7 +17,7 @@ import torch
 
 import nonans_optim as no
 from nonans_optim.functional import kl_shampoo as kl
-from optim_infos import assert_params_and_state_near
+from optim_infos import assert_params_and_state_near, floating_pairs, gap_and_scale
 from test_kernels_spectral_step import KL_ROUNDING, SQUARE, _run_wide
 
 CASES = [("repair", 10.0), ("skip", None)]  # test_kl_batched_matches_loop's
@@ -37,13 +37,11 @@ def _perturbed_refresh(monkeypatch, seed: int, size: float = 1e-6):
 
 
 def _spread(ref, ref_opt, got, got_opt) -> float:
-    """The largest max|got − ref| / max|ref| over parameters and floating state tensors."""
-    worst = 0.0
-    for p, q in zip(ref, got):
-        pairs = [(p.detach(), q.detach())] + [(v, got_opt.state[q][k]) for k, v in ref_opt.state[p].items()
-                                              if torch.is_tensor(v) and v.is_floating_point() and v.numel() > 1]
-        worst = max(worst, max(((b - a).abs().max() / a.abs().max()).item() for a, b in pairs))
-    return worst
+    """The largest max|got − ref| / max|ref| over parameters and floating state tensors of more than one
+    entry."""
+    gaps = [gap_and_scale(want, have) for _, want, have in floating_pairs(ref, ref_opt, got, got_opt)
+            if want.numel() > 1]
+    return max(gap / scale for gap, scale in gaps)
 
 
 @pytest.mark.parametrize("policy, factor", CASES)
