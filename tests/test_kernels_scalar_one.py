@@ -43,6 +43,7 @@ from test_kernels_scalar_step import (break_kernel, count_launches, step_launche
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
+ADAMW_FAMILY = pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
 
 
 def case_lazy_decisions_read_only_what_can_be_held(device):
@@ -299,12 +300,12 @@ def _define(device, marks=()):
 
     @mark
     @pytest.mark.parametrize("policy", ["repair", "skip", "off"])
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_optimizer_matches_loop(cls, policy, monkeypatch):
         case_optimizer_matches_loop(device, cls, policy, monkeypatch)
 
     @mark
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_clean_repair_is_off(cls, monkeypatch):
         case_clean_repair_is_off(device, cls, monkeypatch)
 
@@ -313,12 +314,12 @@ def _define(device, marks=()):
         case_launch_failure_falls_back(device, monkeypatch)
 
     @mark
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_skip_holds_as_the_loop_does(cls, monkeypatch):
         case_skip_holds_as_the_loop_does(device, cls, monkeypatch)
 
     @mark
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_one_launch_matches_loop(cls, monkeypatch):
         case_one_launch_matches_loop(device, cls, monkeypatch)
 
@@ -392,14 +393,14 @@ else:
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_gpu_fused_step_never_syncs(cls):
         params = [torch.randn(300, 70, device="cuda", requires_grad=True), torch.randn(5, device="cuda")]
         steps_never_sync(cls(params, lr=1e-2, impl="fused"), params)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_gpu_one_launch_step_never_syncs(cls, monkeypatch):
         monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "1")
         params = [torch.randn(300, 70, device="cuda", requires_grad=True), torch.randn(5, device="cuda")]
@@ -407,7 +408,7 @@ else:
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-    @pytest.mark.parametrize("cls", [no.AdamW, no.SFAdamW], ids=["AdamW", "SFAdamW"])
+    @ADAMW_FAMILY
     def test_gpu_auto_runs_the_triton_kernels(cls, monkeypatch):
         """impl="auto" on CUDA is impl="fused" (the Triton kernels) — bit for bit, with no fallback taken —
         through the fault sequence of test_fused._run."""
