@@ -23,6 +23,8 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
+from test_kernels_scalar_one import _force_triton as force_scalar_triton  # noqa: E402
+from test_kernels_spectral_step import _force_triton as force_spectral_triton  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -31,15 +33,10 @@ BAD_STEPS = (2, 3)  # the lr is ``value`` on these steps of five, finite again o
 
 
 def _force_triton(monkeypatch):
-    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled"."""
-    from nonans_optim.optimizers import _fused, _spectral
-
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("the Triton path fell back to impl='compiled'")
-
-    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    monkeypatch.setattr(_fused, "compiled_scalar_update", no_fallback)
-    monkeypatch.setattr(_spectral, "compiled_spectral_update", no_fallback)
+    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled", on the
+    (SF-)AdamW path and the spectral one (each suite's own helper)."""
+    force_scalar_triton(monkeypatch)
+    force_spectral_triton(monkeypatch)
 
 
 def _run(cls, impl: str, policy: str, value: float, device: str):
