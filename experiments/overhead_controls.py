@@ -1,6 +1,6 @@
 """Controls for ``python -m experiments overhead``: can this machine resolve a 2% overhead at all, and what
 does "repair" cost the AdamW family's defaults, whose cost is the smallest and the hardest to measure (and
-the fused spectral defaults but FullFusion's: :data:`CONTROLLED`)?
+the fused spectral defaults: :data:`CONTROLLED`)?
 
 Until 2026-11-24 the main table paired a "repair" optimizer with an "off" optimizer, each built on its own
 deep copy of the model. Two arms built that way differ in more than the policy: their tensors sit at
@@ -48,11 +48,13 @@ from experiments.step_time import interleaved, run_child
 __all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer", "controls",
            "fresh_controls", "over_builds", "spread", "switched", "render"]
 
-# The AdamW family's defaults, whose cost is the smallest share of their step; and, since 2026-11-26, the
-# fused spectral defaults but FullFusion: on an Intel Xeon their table rows met the target with upper
-# quartiles of 1.047 (SFNorMuon) and 1.127 (Muon), which the table alone does not resolve. FullFusion's
-# step (~250 ms here) would make each of its processes take minutes: its table row stands alone.
-CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)", "SFNorMuon (fused)", "Muon (fused)")
+# The AdamW family's defaults, whose cost is the smallest share of their step; since 2026-11-26 the fused
+# spectral defaults: on an Intel Xeon their table rows met the target with upper quartiles of 1.047
+# (SFNorMuon) and 1.127 (Muon), which the table alone does not resolve; and since 2026-11-27 FullFusion,
+# whose row read +2.0% with quartiles 0.643–1.081 (results/overhead.json at 858a2d2) although "repair" adds
+# 6 of its 1654 torch ops (RESULTS.md "op-count"). Its ~200 ms step makes each of its processes take a few
+# minutes (a scratch run: 27 s for one build of 10 rounds).
+CONTROLLED = ("AdamW (fused)", "SFAdamW (fused)", "SFNorMuon (fused)", "FullFusion (fused)", "Muon (fused)")
 # independent builds per control (quick runs: 2): a placement is a property of one build, so one build
 # cannot say how much of its ratio is the code and how much where its tensors happen to sit
 BUILDS, QUICK_BUILDS = 4, 2

@@ -88,10 +88,10 @@ def test_overhead_quick(tmp_path):
     target = section.split("Target (CPU)")[1].split("\n")[0]
     assert all(re.search(re.escape(name) + r" \([+-]\d+\.\d%, controls\)", target) for name in CONTROLLED)
     # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
-    # and the fused spectral ones but FullFusion, each row in fresh processes of its own (quick: one process
-    # of two builds)
+    # and the fused spectral ones, each row in fresh processes of its own (quick: one process of two builds)
     assert [c["optimizer"] for c in data["controls"]] == list(CONTROLLED)
-    assert set(CONTROLLED) == {"AdamW (fused)", "SFAdamW (fused)", "SFNorMuon (fused)", "Muon (fused)"}
+    assert set(CONTROLLED) == {"AdamW (fused)", "SFAdamW (fused)", "SFNorMuon (fused)", "FullFusion (fused)",
+                               "Muon (fused)"}
     assert "controls_first" not in data
     for c in data["controls"]:  # over independent builds: each build's median, then theirs
         assert (c["processes"], c["builds"], len(c["per_process"]), len(c["per_build"])) == (1, 2, 1, 2)
