@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from experiments.overhead_controls import render as render_controls
-from experiments.overhead_controls import spread
+from experiments.overhead_controls import overhead_pct, spread
 from experiments.questions_io import at_commit
 
 
@@ -78,7 +78,7 @@ def render(data: dict[str, Any]) -> str:
         loose = {n: (f", upper quartile {q3:.3f}: not resolved" if ok[n] else
                      f", lower quartile {q1:.3f}: not resolved")
                  for n, (q1, q3) in quart.items() if (q3 > 1.02 if ok[n] else q1 <= 1.02)}
-        label = {n: f"{n} ({100 * (x - 1):+.1f}%{', controls' if n in ctrl else ''}{loose.get(n, '')})"
+        label = {n: f"{n} ({overhead_pct(x, 1.02)}{', controls' if n in ctrl else ''}{loose.get(n, '')})"
                  for n, x in ratio.items()}
 
     def verdict(rows: list[dict[str, Any]]) -> str:
