@@ -116,6 +116,32 @@ def _scalar_one(sf: bool) -> tuple[Callable, dict, dict, dict]:
                                              GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P), dict(maxnreg=k.MAXNREG)
 
 
+_DECISION_TYPES = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", SS="*fp64", BAD="*i32")
+
+
+def _statistics() -> tuple[Callable, dict, dict]:
+    """The gradient statistics of the two-launch decisions (kernels/decisions.py; the decide kernel after it
+    runs one program per tensor)."""
+    import triton.language as tl
+    from nonans_optim.kernels import decisions as k
+
+    return k._stats_kernel, dict(_DECISION_TYPES), dict(TY=tl.float32, ALIGNED=True)
+
+
+def _statistics_decide(guard: bool) -> tuple[Callable, dict, dict]:
+    """The statistics and the decisions in one launch (NONANS_TRITON_FOLD_DECIDE=1): the hold rule from the
+    counters, as impl="fused" passes it; "repair" with the guard, or "skip" without it."""
+    import triton.language as tl
+    from nonans_optim.kernels import decisions as k
+    from nonans_optim.resolution import STAGE_INDEX
+
+    types = dict(_DECISION_TYPES, TICKETS="*i32", SEL="*i64", EMA="*fp32", RECENT="*i32", STREAK="*i64",
+                 EVENTS="*i64", DEC="*fp32", FLAGS_OUT="*i32", factor="fp32", beta="fp32", window="i32")
+    constexprs = dict(TY=tl.float32, ALIGNED=True, POLICY=1 if guard else 2, GUARD=guard, RULE=True, S=k._S,
+                      S_PAD=k._S_PAD, LOSS=STAGE_INDEX["loss"], RBLOCK=k._RBLOCK)
+    return k._stats_decide_kernel, types, constexprs
+
+
 def _spectral_write(gate: bool, guard: bool, mona: bool) -> tuple[Callable, dict, dict]:
     import triton.language as tl
     from nonans_optim.kernels import spectral_step as k
@@ -177,6 +203,11 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple]]] = [
     # the launch shape python -m experiments kernels sweeps: 1024 x 8 warps holds 4 entries per thread, not 8
     ("(SF-)AdamW update", "AdamW, off, 1024 x 8", lambda: _scalar_update(False, False)),
     ("(SF-)AdamW update", "AdamW, repair, 1024 x 8", lambda: _scalar_update(False, True)),
+    # the gradient statistics before the decisions (with the guard, or under "skip"); the opt-in fold
+    # (NONANS_TRITON_FOLD_DECIDE=1) decides in each tensor's last block of the same launch
+    ("decisions", "statistics", _statistics),
+    ("decisions", "statistics + decide, guard, one launch", lambda: _statistics_decide(True)),
+    ("decisions", "statistics + decide, skip, one launch", lambda: _statistics_decide(False)),
     ("spectral norm", "off", lambda: _spectral_msq(False, False)),
     ("spectral norm", "repair, guard (SFNorMuon, Muon)", lambda: _spectral_msq(True, True)),
     ("spectral write", "off", lambda: _spectral_write(False, False, False)),

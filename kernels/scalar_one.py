@@ -51,7 +51,8 @@ from ._elementwise import elementwise_block
 from ._multi import _ROW, _block, _block_of, _column, _finite
 from ._runtime import interpreting, on_device, tl_dtype
 from .record import BLOCK_P, record
-from .scalar_step import _columns, _recent, group_launch
+from .decisions import _recent
+from .scalar_step import _columns, group_launch
 from .scalar_update import _speculative_update
 
 __all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]

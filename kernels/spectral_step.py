@@ -10,9 +10,10 @@ is that of ``nonans_optim/optimizers/_compiled_spectral.py`` (``_pre`` and ``_po
 
 Launches per group (no host synchronisation: each decision is read from device memory by the next launch):
 
-* under "repair"/"skip" first ``scalar_step._stats_kernel`` and ``_decide_kernel`` — the gradient's norm
-  and non-finite counts, then per tensor the spike guard's scale, the hold / keep-all flags and "any entry
-  bad" (the NorMuon row gate needs to know whether to look at the rows at all);
+* under "repair"/"skip" first ``decisions._stats_kernel`` and ``_decide_kernel`` (or both as one launch,
+  ``decisions._stats_decide_kernel``) — the gradient's norm and non-finite counts, then per tensor the spike
+  guard's scale, the hold / keep-all flags and "any entry bad" (the NorMuon row gate needs to know whether
+  to look at the rows at all);
 * ``_msq_kernel``: per block, Σ M² of the NS5 input M (the gated momentum, + Nesterov), in float64 — the
   Frobenius norm must be known before any entry of X = M / ‖M‖ is written, so M is computed twice (from g
   and the buffer, 8 bytes per fp32 entry read) rather than stored and re-read (a 4-byte write and read more);
@@ -30,7 +31,7 @@ Launches per group (no host synchronisation: each decision is read from device m
   hold rule and "skip", and the update counts.
 
 "off" issues the six launches of ``_msq_kernel`` … ``_apply_kernel``; "repair" adds the two decision
-launches (and the optimizer's one-launch record after the step). MONA is elementwise and rides in the
+launches, one when folded (and the optimizer's one-launch record after the step). MONA is elementwise and rides in the
 momentum launches (``spectral_blocks._mona``). KL-Shampoo preconditions M before it is normalised: ``raw`` skips the two
 norm launches, the write kernel stores M itself (fp32), and the caller runs the preconditioner's matmuls
 and the normalisation between it and NS5 (``nonans_optim/optimizers/_kl_stacks.py``), with this step's
@@ -66,7 +67,7 @@ from ._multi import _GRAD_INF, _GRAD_NAN, _MOMENT_INF, _ROW, _SPIKE, _add_count,
 from ._multi import supported as one_launch
 from ._runtime import interpreting, on_device, tl_dtype
 from ._spectral_post import _apply_kernel, _rows_kernel, _scale_kernel
-from .scalar_step import _RBLOCK, decisions
+from .decisions import _RBLOCK, decisions
 from .spectral_blocks import _pre_block, _write_block, _write_speculative
 
 __all__ = ["spectral_prepare_", "spectral_write_", "spectral_post_", "supported", "PreResult"]
@@ -195,7 +196,8 @@ class PreResult:
 
 
 def spectral_prepare_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: torch.dtype, nesterov: bool,
-                      policy: str, factor: float | None, monas=None, raw: bool = False) -> PreResult:
+                      policy: str, factor: float | None, monas=None, raw: bool = False,
+                      tickets: torch.Tensor | None = None) -> PreResult:
     """The read-only launches of the momentum side: the spike guard and decisions (not under "off") and
     1/‖M‖ per matrix — nothing persistent is written, so a failure here leaves the optimizer as it was.
     :func:`spectral_write_` then writes the momentum buffers (and MONA's) and the NS5 inputs: one (B, m, n)
@@ -205,13 +207,15 @@ def spectral_prepare_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: to
     ``res``/``sel`` as for ``scalar_step.scalar_step_`` (None under "off"); ``vs`` the NorMuon row moments
     or Nones; ``monas`` None or (G_prev list, A list). ``raw`` (KL-Shampoo, which preconditions M before
     it is normalised): the stacks receive M itself in fp32 (``hot`` must be fp32) and the two norm
-    launches are skipped."""
+    launches are skipped. ``tickets``: zeroed int32 scratch of one entry per tensor (left zeroed), which
+    lets the two decision launches run as one (:mod:`.decisions`)."""
     code = policy_code(policy)
     if (res is None) != (code == 0):
         raise ValueError("res must be given exactly when the policy is not 'off'")
     device = grads[0].device
     block, warps = elementwise_block()
-    layout = _layout(tuple(g.numel() for g in grads), block, str(device))
+    sizes = tuple(g.numel() for g in grads)
+    layout = _layout(sizes, block, str(device))
     numel, first, owner, nblocks = layout
     inputs = [torch.empty((len(members), *shapes[members[0]]), dtype=hot, device=device) for members, _ in buckets]
     xs = [0] * len(grads)
@@ -234,7 +238,8 @@ def spectral_prepare_(grads, bufs, vs, res, sel, hp, *, buckets, shapes, hot: to
     with on_device(grads[0]):
         dec = dec_flags = None
         if gate:
-            dec, dec_flags = decisions(addr, layout, sel, res, code, factor, kinds["G_TY"], aligned, lazy=False)
+            dec, dec_flags = decisions(addr, layout, sel, res, code, factor, kinds["G_TY"], aligned, lazy=False,
+                                       tickets=tickets if all(sizes) else None)
         if raw:
             inv = dummy = torch.ones(n, dtype=torch.float64, device=device)
         else:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["fused_backend", "one_launch", "ns5_backend", "ns5_triton_min_dim", "ns5_method", "native_simd",
-           "check_all", "FUSED_BACKENDS", "NS5_BACKENDS", "NS5_METHODS", "SIMD_MODES"]
+__all__ = ["fused_backend", "one_launch", "fold_decide", "ns5_backend", "ns5_triton_min_dim", "ns5_method",
+           "native_simd", "check_all", "FUSED_BACKENDS", "NS5_BACKENDS", "NS5_METHODS", "SIMD_MODES"]
 
 FUSED_BACKENDS = ("auto", "native", "triton")
 NS5_BACKENDS = ("auto", "torch", "triton")
@@ -44,6 +44,13 @@ def one_launch() -> bool:
     """``NONANS_TRITON_ONE_LAUNCH`` ("1", the default, or "0"): the (SF-)AdamW "repair" step in one Triton
     launch or three (optimizers/_fused_triton.py::one_launch says why one is the default)."""
     return _choice("NONANS_TRITON_ONE_LAUNCH", "1", ("0", "1")) == "1"
+
+
+def fold_decide() -> bool:
+    """``NONANS_TRITON_FOLD_DECIDE`` ("0", the default, or "1"): "1" runs a group's gradient statistics and
+    decisions on the Triton path as one launch instead of two (``kernels/decisions.py`` says why and how).
+    Off until a GPU run has timed it (the opt-in, then the default, as ``one_launch`` went)."""
+    return _choice("NONANS_TRITON_FOLD_DECIDE", "0", ("0", "1")) == "1"
 
 
 def ns5_backend() -> str:
@@ -74,6 +81,7 @@ def check_all() -> None:
     """Raise ValueError naming the first switch whose value is not allowed (see the module docstring)."""
     fused_backend()
     one_launch()
+    fold_decide()
     ns5_backend()
     ns5_triton_min_dim(0)
     ns5_method()

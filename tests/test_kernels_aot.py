@@ -167,7 +167,8 @@ def test_scalar_step_kernels(policy, param):
     int64 address table must become typed global pointers, and counting variants must use atomics."""
     import triton.language as tl
 
-    from nonans_optim.kernels.scalar_step import _decide_kernel, _stats_kernel, _update_kernel
+    from nonans_optim.kernels.decisions import _decide_kernel, _stats_kernel
+    from nonans_optim.kernels.scalar_step import _update_kernel
 
     ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
     table = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32")
@@ -202,6 +203,33 @@ def test_scalar_step_kernels(policy, param):
         assert "fma.rn.f32" not in compiled.asm["ptx"], "no contraction: clean repair must equal off"
         assert re.search(r"st\.global(\.\w+)*\.v[24]", compiled.asm["ptx"]), "full blocks: vector stores"
 
+
+
+@pytest.mark.parametrize("policy", [1, 2])
+@pytest.mark.parametrize("param", ["fp32", "bf16"])
+def test_stats_decide_kernel(policy, param):
+    """The statistics and decide launches as one (kernels/decisions.py, NONANS_TRITON_FOLD_DECIDE=1), every
+    guard and hold-rule form: the ticket an acq_rel atomic at GPU scope, the partials of other programs read
+    through L2 (``ld.global.cg``), vector loads of the gradient on full blocks."""
+    import triton.language as tl
+
+    from nonans_optim.kernels.decisions import _stats_decide_kernel
+
+    ty = {"fp32": tl.float32, "bf16": tl.bfloat16}[param]
+    for guard, rule in ((False, False), (False, True), (True, False), (True, True)):
+        hold = (dict(RECENT="*i32", STREAK="*i64", EVENTS="*i64") if rule
+                else dict(RECENT="*i1", STREAK="*i32", EVENTS="*i32"))
+        compiled = compile_for_hopper(
+            _stats_decide_kernel, dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", SS="*fp64",
+                                       BAD="*i32", TICKETS="*i32", SEL="*i64", EMA="*fp32", **hold, DEC="*fp32",
+                                       FLAGS_OUT="*i32", factor="fp32", beta="fp32", window="i32"),
+            dict(TY=ty, ALIGNED=True, BLOCK=2048, POLICY=policy, GUARD=guard, RULE=rule, S=6, S_PAD=8, LOSS=4,
+                 RBLOCK=1024), num_warps=8)
+        _binary_ok(compiled)
+        ptx = compiled.asm["ptx"]
+        assert re.search(r"atom(\.\w+)*\.gpu\.acq_rel\.add\.u32", ptx), "the ticket: acq_rel at GPU scope"
+        assert re.search(r"ld\.global\.cg", ptx), "the last program reads the others' partials through L2"
+        assert re.search(r"ld\.global(\.\w+)*\.v[24]", ptx), "full blocks: vector loads"
 
 
 @pytest.mark.parametrize("param", ["fp32", "bf16", "fp16"])

@@ -53,7 +53,8 @@ def case_lazy_decisions_read_only_what_can_be_held(device):
     import triton.language as tl
 
     from nonans_optim.kernels._elementwise import elementwise_block
-    from nonans_optim.kernels.scalar_step import _layout, decisions
+    from nonans_optim.kernels._multi import _layout
+    from nonans_optim.kernels.decisions import decisions
 
     block, _ = elementwise_block()
     nan = float("nan")

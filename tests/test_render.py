@@ -147,6 +147,18 @@ def test_a_command_names_the_switches_it_ran_under(monkeypatch):
     assert env_prefix() == "NONANS_TRITON_ONE_LAUNCH=1 NONANS_FUSED_BACKEND=triton "
 
 
+def test_every_switch_that_changes_numbers_leads_a_command():
+    """Every switch nonans_optim/switches.py parses is one env_prefix names (a switch added there and not in
+    SWITCHES would leave a run under it looking like a default run)."""
+    import re
+
+    from experiments.questions_io import SWITCHES
+
+    source = (ROOT / "nonans_optim" / "switches.py").read_text()
+    parsed = set(re.findall(r"\"(NONANS_\w+)\"", source)) - {"NONANS_NATIVE", "NONANS_CACHE_DIR"}
+    assert parsed and parsed <= set(SWITCHES), parsed - set(SWITCHES)
+
+
 def test_fused_step_bandwidth_target_has_a_verdict():
     """The kernels section states the fused step's bandwidth target (≥ 0.80 of copy) and judges it from the
     numbers: it was printed with no verdict while the repair arm ran at 0.44 of copy (an audit, 2026-11-26)."""

@@ -18,7 +18,8 @@ Host work per step: one small host→device copy of the tensors' addresses (grad
 every backward) and of the bias corrections; nothing is read back. Launches: "off" one; "repair" adds the
 decisions and the record (two; three with the spike guard's statistics) — none where the step's only
 decision is the hold rule (the default "repair" step, ``kernels/scalar_one.py``; ``NONANS_TRITON_ONE_LAUNCH=0``
-returns it to three launches, :func:`one_launch`).
+returns it to three launches, :func:`one_launch`). ``NONANS_TRITON_FOLD_DECIDE=1`` runs the statistics and
+decisions as one launch where both run (``kernels/decisions.py``; off by default until a GPU run times it).
 """
 from __future__ import annotations
 
@@ -74,13 +75,14 @@ def triton_scalar_update(params: list[torch.Tensor], grads: list[torch.Tensor], 
     args = group_kernel_args(params, grads, states, indices, group, ctx, sf=sf, gamma=gamma.float(), c=c,
                              recent_rule=True)
     decay_z = sf and group["weight_decay"] != 0
+    tickets = None if one else _tickets(res, indices, params[0].device)
     try:
         if one:
             _scalar_one(args, indices, res, ctx["step"], sf=sf, decay_z=decay_z)
         else:
-            k.scalar_step_(*args, sf=sf, policy=policy, decay_z=decay_z, factor=ctx["spike_factor"])
+            k.scalar_step_(*args, sf=sf, policy=policy, decay_z=decay_z, factor=ctx["spike_factor"], tickets=tickets)
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
-        if one:
+        if one or tickets is not None:
             res.drop_scratch()  # (a launch that stopped part way may have left tickets behind)
         _failed(err, states)
         return False
@@ -102,6 +104,14 @@ def one_launch() -> bool:
     +194 / +283 µs (RESULTS.md "overhead-gpu-gpt2-small", "overhead-gpu-gpt2-small-three-launch",
     "sync-audit")."""
     return switches.one_launch()
+
+
+def _tickets(res, indices: list[int], device: torch.device) -> torch.Tensor | None:
+    """The zeroed scratch that lets a group's statistics and decide launches run as one
+    (``kernels/decisions.py``), under ``NONANS_TRITON_FOLD_DECIDE=1`` and a resolution policy; else None."""
+    if res is None or not switches.fold_decide():
+        return None
+    return res.kernel_scratch(("decide", indices[0], len(indices)), len(indices), device)
 
 
 def _scalar_one(args: tuple, indices: list[int], res, step: int, *, sf: bool, decay_z: bool) -> None:
@@ -190,10 +200,11 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
     key = (str(device), hot, bufs[0].dtype, policy, factor is None, group["nesterov"], normuon, sf, mona, shampoo,
            post["decay"], tuple(shapes))  # the matrix shapes determine the sizes and row counts too
     gamma = gamma.float()
+    tickets = _tickets(ctx["resolution"], indices, device)
     try:
         pre = k.spectral_prepare_(grads, bufs, vs, res, sel, hp_pre, buckets=buckets, shapes=shapes,
                                   hot=torch.float32 if shampoo else stage, nesterov=group["nesterov"], policy=policy,
-                                  factor=factor, monas=monas, raw=shampoo)
+                                  factor=factor, monas=monas, raw=shampoo, tickets=tickets)
         # with KL-Shampoo pre.inputs hold M (fp32); NS5 reads stacks in the staging dtype, filled below
         inputs = [torch.empty_like(X, dtype=stage) for X in pre.inputs] if shampoo else pre.inputs
         if key not in _COMPILED:  # the direction side's compile errors, before the first persistent write
@@ -203,6 +214,8 @@ def triton_spectral_update(params: list[torch.Tensor], grads: list[torch.Tensor]
             _COMPILED.add(key)
         k.spectral_write_(pre)
     except Exception as err:  # noqa: BLE001 — e.g. a compile error: nothing persistent was written
+        if tickets is not None:
+            ctx["resolution"].drop_scratch()  # (a launch that stopped part way may have left tickets behind)
         _failed(err, states)
         return False
     if shampoo:

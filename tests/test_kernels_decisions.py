@@ -1,0 +1,251 @@
+"""The Triton path's statistics and decide launches as one (``kernels/decisions.py``,
+``NONANS_TRITON_FOLD_DECIDE=1``): the same decisions as the two launches, the tickets left zero, one launch
+fewer per group, and whole runs with faults equal to the two-launch runs.
+
+Same two-faced layout as ``test_kernels_scalar_step.py``: a normal run re-runs this file under
+``TRITON_INTERPRET=1`` in a subprocess (CPU tensors, ``NONANS_FUSED_BACKEND=triton``), and the ``gpu``-marked
+copies run on CUDA. The interpreter runs programs one after another, so there the last ticket is always the
+last block's; on a GPU any block may take it, which is what the ``gpu`` copies are for. On a GPU the float64
+norm's last bit may differ between the two forms (the reduction's lanes follow the launch's warps,
+decisions.py): there the guard's scale and EMA are compared to 1e-6, everything else exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+
+import pytest
+import torch
+from interpreted import assert_interpreted_suite_passes, marker
+
+pytest.importorskip("triton")
+
+import nonans_optim as no  # noqa: E402
+from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
+from test_kernels_scalar_one import _force_triton as force_scalar_triton  # noqa: E402
+from test_kernels_spectral_step import _force_triton as force_spectral_triton  # noqa: E402
+from test_kernels_scalar_one import _shapes  # noqa: E402
+from test_kernels_spectral_step import _run_wide  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+
+
+def _gradients(device, block: int) -> list[torch.Tensor]:
+    """Six gradients across every decision: clean, a few bad entries, every entry bad (two), a spike, and
+    one entry; several blocks each where it matters (the last ticket is then a later block's)."""
+    torch.manual_seed(0)
+    gs = [torch.randn(n, device=device) for n in (3 * block + 5, 300, 2 * block, 2 * block + 1, 40, 1)]
+    gs[1][[0, 7, 299]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device=device)
+    gs[2].fill_(float("nan"))  # every entry bad, recent: held
+    gs[3].fill_(float("inf"))  # every entry bad, no recent event: not held
+    gs[4] *= 1e3  # a spike against the EMA below
+    return gs
+
+
+def _decide(device, policy: int, guard: bool, rule: bool, tickets):
+    """decisions() on :func:`_gradients`: (DEC, flags), the EMA seeded where ``guard``, the hold rule's
+    "recent" as flags or, with ``rule``, as a RecentRule over counters."""
+    import triton.language as tl
+
+    from nonans_optim.kernels._elementwise import elementwise_block
+    from nonans_optim.kernels._multi import _layout
+    from nonans_optim.kernels.decisions import decisions
+    from nonans_optim.resolution import Resolution
+
+    block, _ = elementwise_block()
+    gs = _gradients(device, block)
+    n = len(gs)
+    recent = torch.tensor([False, True, True, False, True, True], device=device)
+    if rule:  # the counters behind the same flags: an own-stage event within the window where recent
+        r = Resolution("repair", n, torch.device(device), numels=[g.numel() for g in gs])
+        r.tensors["events"][:, 0] = recent.long()
+        recent = r.recent_rule()
+        assert torch.equal(recent.flags(), torch.tensor([False, True, True, False, True, True], device=device))
+    ema = torch.tensor([100.0, 100.0, 100.0, 100.0, 2.0, 100.0], device=device)  # 10 x 2.0 < the spike's norm
+    res = (torch.ones(n, device=device), recent, ema, torch.zeros(n, 6, 2, dtype=torch.int64, device=device))
+    layout = _layout(tuple(g.numel() for g in gs), block, str(device))
+    addr = torch.tensor([[0, g.data_ptr(), 0, 0] for g in gs], dtype=torch.int64, device=device)
+    sel = torch.arange(n, device=device)
+    return decisions(addr, layout, sel, res, policy, 10.0 if guard else None, tl.float32, False, lazy=False,
+                     tickets=tickets)
+
+
+@contextlib.contextmanager
+def _poisoned_empty():
+    """``torch.empty`` filled (NaN, the largest integer) while the block runs, so that the kernels' scratch
+    holds nothing a previous launch left in the same freed memory: a kernel that read a partial before it
+    was written would otherwise read the value the two-launch run had left there, and pass."""
+    import torch.utils.deterministic
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
+
+
+def case_folded_decisions_equal_two_launches(device, policy, guard, rule):
+    """Every output of the folded launch equals the two launches' (scale and EMA to 1e-6 on a GPU), for
+    repair/skip × guard × flags/counters; the tickets are zero after it, and a second launch on them
+    decides the same. (Under the interpreter a kernel deciding in a tensor's second-to-last program fails
+    here; one deciding in *every* program — the ticket put back after each — would pass, the last program's
+    decision being the one left: only the GPU copy runs blocks out of order.)"""
+    tickets = torch.zeros(8, dtype=torch.int32, device=device)
+    with _poisoned_empty():
+        ref_dec, ref_flags = _decide(device, policy, guard, rule, None)
+    for _ in range(2):
+        with _poisoned_empty():
+            dec, flags = _decide(device, policy, guard, rule, tickets)
+        assert torch.equal(flags, ref_flags), (flags.tolist(), ref_flags.tolist())
+        if device == "cpu":
+            assert torch.equal(dec, ref_dec), (dec, ref_dec)
+        else:
+            torch.testing.assert_close(dec, ref_dec, rtol=1e-6, atol=0)
+        assert not tickets.any(), tickets
+    # what these gradients must decide: bad entries (bit 3) on 1-3, the held tensor (bit 0) 2 only, "skip"
+    # keeps every tensor with a bad entry (bit 1), the guard fires (bit 2) on the spike alone
+    bits = lambda b: [(f >> b) & 1 for f in flags.tolist()]  # noqa: E731
+    assert bits(3) == [0, 1, 1, 1, 0, 0] and bits(0) == [0, 0, 1, 0, 0, 0]
+    assert bits(1) == ([0, 1, 1, 1, 0, 0] if policy == 2 else [0] * 6)
+    assert bits(2) == ([0, 0, 0, 0, 1, 0] if guard else [0] * 6)
+
+
+def case_tickets_refused_where_they_cannot_serve(device):
+    """Tickets with the lazy decisions (one launch already), of the wrong dtype or too few: a clear error."""
+    import triton.language as tl
+
+    from nonans_optim.kernels._multi import _layout
+    from nonans_optim.kernels.decisions import decisions
+
+    g = torch.randn(10, device=device)
+    res = (torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device),
+           torch.zeros(1, device=device), torch.zeros(1, 6, 2, dtype=torch.int64, device=device))
+    addr = torch.tensor([[0, g.data_ptr(), 0, 0]], dtype=torch.int64, device=device)
+    args = (addr, _layout((10,), 64, str(device)), torch.zeros(1, dtype=torch.int64, device=device), res, 1, None,
+            tl.float32, False)
+    for lazy, tickets in ((True, torch.zeros(1, dtype=torch.int32, device=device)),
+                          (False, torch.zeros(1, dtype=torch.int64, device=device)),
+                          (False, torch.zeros(0, dtype=torch.int32, device=device))):
+        with pytest.raises(ValueError, match="tickets"):
+            decisions(*args, lazy=lazy, tickets=tickets)
+
+
+def _force_triton(monkeypatch):
+    force_scalar_triton(monkeypatch)
+    force_spectral_triton(monkeypatch)
+
+
+def case_one_launch_fewer_per_group(device, monkeypatch):
+    """What "repair" adds to "off" on the host, folded: the one statistics-and-decide launch and the record
+    (two launches apart before: statistics, decide) — for the spectral path and the AdamW path with the guard,
+    each a group of its own in one optimizer (SF-NorMuon's own param_groups: spectral and scalar)."""
+    from test_kernels_scalar_step import step_launches
+
+    _force_triton(monkeypatch)
+    torch.manual_seed(0)
+    matrices = [torch.nn.Parameter(torch.randn(s, device=device)) for s in ((16, 24), (16, 24), (30, 8))]
+    vectors = [torch.nn.Parameter(torch.randn(40, device=device))]
+    groups = [{"params": matrices, "path": "spectral"}, {"params": vectors, "path": "scalar"}]
+    launches = {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("NONANS_TRITON_FOLD_DECIDE", fold)
+        seen = step_launches(monkeypatch, no.SFNorMuon(groups, lr=1e-3, impl="fused"), matrices + vectors)
+        (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
+        assert rep_ops == off_ops
+        launches[fold] = rep_launch - off_launch
+    assert launches["0"] == Counter({"_stats_kernel": 2, "_decide_kernel": 2, "_record_kernel": 1})
+    assert launches["1"] == Counter({"_stats_decide_kernel": 2, "_record_kernel": 1})
+
+
+# (optimizer, policy, keyword arguments): the spectral path (its guard on by default; FullFusion with
+# KL-Shampoo and MONA) and the AdamW path with the guard, or under "skip" (statistics without the guard)
+RUNS = [(no.SFNorMuon, "repair", {}), (no.SFNorMuon, "skip", {}), (no.FullFusion, "repair", {}),
+        (no.AdamW, "repair", {"spike_factor": 10.0}), (no.SFAdamW, "skip", {"spike_factor": None})]
+RUN_IDS = ["SFNorMuon-repair", "SFNorMuon-skip", "FullFusion-repair", "AdamW-guard", "SFAdamW-skip"]
+
+
+def case_folded_run_equals_two_launch_run(device, cls, policy, kw, monkeypatch):
+    """Five steps with faults (partial NaN/Inf, a whole tensor twice, a spike, a moment overflow): the
+    folded run equals the two-launch run — parameters, state, counters, events (bit for bit under the
+    interpreter; to 1e-6 of each tensor's scale on a GPU, where the norm's last bit may differ)."""
+    from nonans_optim.kernels import decisions, scalar_step, spectral_step
+    from test_fused import _run
+
+    _force_triton(monkeypatch)
+    folded = []  # per decisions() call: whether it ran as one launch
+
+    def spy(*args, tickets=None, **kwargs):
+        folded.append(tickets is not None)
+        return decisions.decisions(*args, tickets=tickets, **kwargs)
+    for module in (scalar_step, spectral_step):
+        monkeypatch.setattr(module, "decisions", spy)
+    runs, calls = {}, {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv("NONANS_TRITON_FOLD_DECIDE", fold)
+        folded.clear()
+        if cls in (no.AdamW, no.SFAdamW):  # test_fused.py's fault sequence, as test_kernels_scalar_one runs it
+            runs[fold] = _run(cls, "fused", policy, device=device, shapes=_shapes(device), **kw)
+        else:
+            runs[fold] = _run_wide("fused", policy, device=device, cls=cls, **kw)
+        calls[fold] = list(folded)
+    assert calls["0"] and not any(calls["0"]) and calls["1"] == [True] * len(calls["0"]), calls
+    (ref, ref_opt), (got, got_opt) = runs["0"], runs["1"]
+    assert ref_opt.metrics()["resolution/events_total"] > 0
+    if device == "cpu":
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+        for a, b in zip(ref, got):
+            sa, sb = ref_opt.state[a], got_opt.state[b]
+            assert sa.keys() == sb.keys()
+            for k in sa:
+                if isinstance(sa[k], torch.Tensor):
+                    assert torch.equal(sa[k], sb[k]), k
+    else:
+        assert_params_and_state_close(ref, ref_opt, got, got_opt)
+    assert_resolution_matches(ref_opt, got_opt)
+
+
+def _define(device, marks=()):
+    mark = marker(marks)
+
+    @mark
+    @pytest.mark.parametrize("rule", [False, True], ids=["flags", "counters"])
+    @pytest.mark.parametrize("guard", [False, True], ids=["noguard", "guard"])
+    @pytest.mark.parametrize("policy", [1, 2], ids=["repair", "skip"])
+    def test_folded_decisions_equal_two_launches(policy, guard, rule):
+        case_folded_decisions_equal_two_launches(device, policy, guard, rule)
+
+    @mark
+    def test_tickets_refused_where_they_cannot_serve():
+        case_tickets_refused_where_they_cannot_serve(device)
+
+    @mark
+    def test_one_launch_fewer_per_group(monkeypatch):
+        case_one_launch_fewer_per_group(device, monkeypatch)
+
+    @mark
+    @pytest.mark.parametrize("cls, policy, kw", RUNS, ids=RUN_IDS)
+    def test_folded_run_equals_two_launch_run(cls, policy, kw, monkeypatch):
+        case_folded_run_equals_two_launch_run(device, cls, policy, kw, monkeypatch)
+
+    return (test_folded_decisions_equal_two_launches, test_tickets_refused_where_they_cannot_serve,
+            test_one_launch_fewer_per_group, test_folded_run_equals_two_launch_run)
+
+
+if INTERPRETED:
+    pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+    (test_folded_decisions_equal_two_launches, test_tickets_refused_where_they_cannot_serve,
+     test_one_launch_fewer_per_group, test_folded_run_equals_two_launch_run) = _define("cpu")
+else:
+    def test_interpreter_suite():
+        """Run the cases under TRITON_INTERPRET=1 in a fresh process (tests/interpreted.py)."""
+        assert_interpreted_suite_passes(__file__, timeout=600)
+
+    (test_gpu_folded_decisions_equal_two_launches, test_gpu_tickets_refused_where_they_cannot_serve,
+     test_gpu_one_launch_fewer_per_group, test_gpu_folded_run_equals_two_launch_run) = _define(
+        "cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")))
