@@ -17,18 +17,19 @@ Two launches, or one:
 
 ``_stats_decide_kernel`` is both in one launch (``tickets`` given to :func:`decisions`;
 ``NONANS_TRITON_FOLD_DECIDE=1``, off by default until a GPU run has timed it): every block program writes its
-partials, then takes a ticket of its tensor (an acq_rel atomic at GPU scope after a barrier, as the
-one-launch AdamW step does, ``scalar_one.py``); the program that takes a tensor's last ticket has every
-partial of that tensor visible, reads them through L2 only (``.cg``), runs the decide kernel's body for it
-and puts the ticket back to zero. No program waits for another, so nothing assumes co-residency. Why: on
-gpt2-small the spectral optimizers' "repair" step launched the statistics and decide kernels once per
-parameter group — three groups, six launches at 44–50 µs of host time each on an H200's host (RESULTS.md
-"sync-audit", 2026-11-27) —, against issue 3's budget of 0.3% of a training step. Folded, each group
-launches one. The partials are added in block order by one program either way; only the reduction's lane
-layout follows the launch's warps (one warp for the decide kernel, the statistics launch's for the folded
-one), so on a GPU the float64 norm may differ in its last bit between the two forms — never between two runs
-of one form. A tensor with no entry has no block and so no program of the folded launch: :func:`decisions`
-refuses tickets for a group that has one.
+partials, then takes a ticket of its tensor (an acq_rel atomic at GPU scope after a barrier, as the one-launch
+AdamW step does, ``scalar_one.py``); the program that takes a tensor's last ticket has every partial of that
+tensor visible, reads them through L2 only (``.cg``), runs the decide kernel's body for it and puts the ticket
+back to zero. No program waits for another, so nothing assumes co-residency (checked under the interpreter with
+the programs in three orders, ``tests/test_kernels_program_order.py``; compiled for sm_90; not yet run on a
+GPU). Why: on gpt2-small the spectral optimizers' "repair" step launched the statistics and decide kernels once
+per parameter group — three groups, six launches at 44–50 µs of host time each on an H200's host (RESULTS.md
+"sync-audit", 2026-11-27) —, against issue 3's budget of 0.3% of a training step. Folded, each group launches
+one. The partials are added in block order by one program either way; only the reduction's lane layout follows
+the launch's warps (one warp for the decide kernel, the statistics launch's for the folded one), so on a GPU the
+float64 norm may differ in its last bit between the two forms — never between two runs of one form. A tensor
+with no entry has no block and so no program of the folded launch: the callers (``scalar_step.scalar_step_``,
+``spectral_step.spectral_prepare_``) pass no tickets for a group that has one.
 """
 from __future__ import annotations
 
@@ -219,8 +220,8 @@ def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, align
     Writes only this scratch. ``layout``: (numel, first, owner, nblocks) of ``_multi._layout``; ``res``:
     (scale, recent, ema, dense) as ``scalar_step.scalar_step_`` takes it. ``tickets``: an int32 tensor of at
     least n entries, zero, left zero — both launches as one (``_stats_decide_kernel``); only for a group
-    every tensor of which has an entry (the caller knows the sizes), and not with ``lazy`` (one launch
-    already)."""
+    every tensor of which has an entry (the caller knows the sizes: an empty tensor would be left undecided;
+    fewer blocks than tensors is refused here), and not with ``lazy`` (one launch already)."""
     numel, first, owner, nblocks = layout
     n = numel.shape[0]
     device = numel.device

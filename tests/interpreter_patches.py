@@ -92,3 +92,41 @@ def installed() -> bool:
     grid = getattr(interpreter, "GridExecutor", None)
     return (getattr(getattr(grid, "__call__", None), "_shares_patches", False)
             and getattr(interpreter, "_patch_lang", None) is _shared)
+
+
+def programs_in_order(monkeypatch, order: str, seed: int = 0) -> None:
+    """Make the interpreter run each launch's programs in ``order`` — "ascending" (its own), "reversed" or
+    "shuffled" (seeded) — instead of by ascending program id, for the rest of the test.
+
+    Why: a kernel whose programs hand work to one another (the one-launch AdamW step's last program,
+    ``kernels/scalar_one.py``; the folded decisions, ``kernels/decisions.py``, where each tensor's last
+    ticket decides) must be right whichever program finishes last, as on a GPU. In ascending order the
+    highest program id is always last, so a kernel that picked its decider by id instead of by ticket
+    would pass here and fail there. Any order in which programs run one at a time is a schedule a GPU may
+    run, so each is a fair test. How: the launch loops over the grid with ``range``, looked up in the
+    interpreter module's globals first; a ``range`` there permutes the single-argument ranges that the
+    launch itself (the stock ``GridExecutor.__call__``, checked by its frame) iterates, and nothing else."""
+    import builtins
+    import random
+    import sys
+
+    from triton.runtime import interpreter
+
+    if order == "ascending":
+        return
+    call = interpreter.GridExecutor.__call__
+    launch = getattr(call, "_stock", call).__code__  # (under share_language_patches, the stock one)
+    rng = random.Random(seed)
+
+    def grid_range(*args):
+        if len(args) == 1 and sys._getframe(1).f_code is launch:
+            ids = list(builtins.range(args[0]))
+            if order == "reversed":
+                return ids[::-1]
+            rng.shuffle(ids)
+            return ids
+        return builtins.range(*args)
+
+    if order not in ("reversed", "shuffled"):
+        raise ValueError(f"order must be 'ascending', 'reversed' or 'shuffled', got {order!r}")
+    monkeypatch.setattr(interpreter, "range", grid_range, raising=False)

@@ -4,8 +4,9 @@ fewer per group, and whole runs with faults equal to the two-launch runs.
 
 Same two-faced layout as ``test_kernels_scalar_step.py``: a normal run re-runs this file under
 ``TRITON_INTERPRET=1`` in a subprocess (CPU tensors, ``NONANS_FUSED_BACKEND=triton``), and the ``gpu``-marked
-copies run on CUDA. The interpreter runs programs one after another, so there the last ticket is always the
-last block's; on a GPU any block may take it, which is what the ``gpu`` copies are for. On a GPU the float64
+copies run on CUDA. The interpreter runs programs one after another by ascending id, so here the last ticket
+is always the last block's; tests/test_kernels_program_order.py runs these cases with the programs reversed and
+shuffled, and on a GPU any block may take it, which is what the ``gpu`` copies are for. On a GPU the float64
 norm's last bit may differ between the two forms (the reduction's lanes follow the launch's warps,
 decisions.py): there the guard's scale and EMA are compared to 1e-6, everything else exactly.
 """
