@@ -59,6 +59,17 @@ def assert_interpreted_suite_passes(test_file: str, *, timeout: int, shard: tupl
         assert " deselected" in summary or shard[1] == 1, f"shard {shard} ran the whole suite: {summary}"
 
 
+def _gpu_copy_marks() -> tuple:
+    import pytest
+    import torch
+    return (pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+#: The marks of a two-faced file's ``gpu`` copies (``_define("cuda", marks=GPU_COPY)``): the ``gpu`` marker,
+#: and a skip where there is no CUDA device.
+GPU_COPY = _gpu_copy_marks()
+
+
 def marker(marks=()):
     """A decorator that applies every mark in ``marks``: how a file's cases become their ``gpu`` copies."""
     def mark(fn):

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -249,4 +249,4 @@ else:
 
     (test_gpu_folded_decisions_equal_two_launches, test_gpu_tickets_refused_where_they_cannot_serve,
      test_gpu_one_launch_fewer_per_group, test_gpu_folded_run_equals_two_launch_run) = _define(
-        "cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")))
+        "cuda", marks=GPU_COPY)

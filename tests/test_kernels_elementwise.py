@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -272,4 +272,4 @@ else:
 
     (test_gpu_adamw_matches_reference, test_gpu_adamw_semantics, test_gpu_momentum,
      test_gpu_overflow_with_finite_inputs) = _define(
-        "cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")))
+        "cuda", marks=GPU_COPY)

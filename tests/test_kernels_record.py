@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -185,6 +185,5 @@ else:
         monkeypatch.delenv("NONANS_FUSED_BACKEND", raising=False)
         assert not record_on_triton(torch.device("cpu"))
 
-    gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_torch_record, test_gpu_optimizers_record_through_the_kernel,
-     test_gpu_failed_record_falls_back_to_torch) = _define("cuda", marks=gpu)
+     test_gpu_failed_record_falls_back_to_torch) = _define("cuda", marks=GPU_COPY)

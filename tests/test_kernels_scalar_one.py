@@ -30,7 +30,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -387,10 +387,9 @@ else:
         for p, q in zip(got, want):
             assert torch.equal(p, q)
 
-    gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_clean_repair_is_off, test_gpu_launch_failure_falls_back,
      test_gpu_skip_holds_as_the_loop_does, test_gpu_lazy_decisions_read_only_what_can_be_held,
-     test_gpu_one_launch_matches_loop, test_gpu_one_launch_failure_falls_back) = _define("cuda", marks=gpu)
+     test_gpu_one_launch_matches_loop, test_gpu_one_launch_failure_falls_back) = _define("cuda", marks=GPU_COPY)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -23,7 +23,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -429,8 +429,7 @@ else:
         from nonans_optim.kernels.scalar_step import supported
         assert not supported([torch.randn(3), torch.randn(2)])
 
-    gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_kernel_matches_oracle, test_gpu_unaligned_views, test_gpu_fp16_overflow_as_stored,
      test_gpu_recent_from_the_counters, test_gpu_guard_scale_floor, test_gpu_z_overflow_alone,
-     test_gpu_zero_gradient_leaves_the_guard_ema) = _define("cuda", marks=gpu)
+     test_gpu_zero_gradient_leaves_the_guard_ema) = _define("cuda", marks=GPU_COPY)
 

@@ -29,7 +29,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -472,13 +472,13 @@ else:
         tests/interpreter_patches.py, 2026-11-27: still the longest suite, so still split)."""
         assert_interpreted_suite_passes(__file__, timeout=600, shard=(shard, 3))
 
-    gpu = (pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))
     (test_gpu_optimizer_matches_loop, test_gpu_wide_matrices_match_loop, test_gpu_bf16_buffer_and_ns5_input,
      test_gpu_skip_keeps_kl_damping, test_gpu_held_keeps_kl_damping, test_gpu_tensors_on_different_first_steps,
      test_gpu_clean_repair_is_off,
      test_gpu_launch_failure_falls_back, test_gpu_auto_runs_the_triton_kernels,
      test_gpu_kl_batched_matches_loop, test_gpu_update_overflow_counts,
-     test_gpu_bf16_buffer_overflow_as_stored, test_gpu_direction_whose_squares_overflow) = _define("cuda", marks=gpu)
+     test_gpu_bf16_buffer_overflow_as_stored, test_gpu_direction_whose_squares_overflow) = _define("cuda",
+                                                                                                  marks=GPU_COPY)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from interpreted import assert_interpreted_suite_passes, marker
+from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 
 pytest.importorskip("triton")
 
@@ -105,5 +105,4 @@ else:
         """Run the cases under TRITON_INTERPRET=1 in a fresh process (tests/interpreted.py)."""
         assert_interpreted_suite_passes(__file__, timeout=600)
 
-    test_gpu_nonfinite_step_size = _define("cuda", marks=(
-        pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")))
+    test_gpu_nonfinite_step_size = _define("cuda", marks=GPU_COPY)
