@@ -24,10 +24,8 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
-from test_kernels_scalar_one import _force_triton as force_scalar_triton  # noqa: E402
-from test_kernels_spectral_step import _force_triton as force_spectral_triton  # noqa: E402
-from test_kernels_scalar_one import _shapes  # noqa: E402
-from test_kernels_spectral_step import _run_wide  # noqa: E402
+from test_kernels_scalar_one import _force_triton as force_scalar_triton, _shapes  # noqa: E402
+from test_kernels_spectral_step import _force_triton as force_spectral_triton, _run_wide  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -46,8 +44,8 @@ def _gradients(device, block: int) -> list[torch.Tensor]:
 
 
 def _decide(device, policy: int, guard: bool, rule: bool, tickets):
-    """decisions() on :func:`_gradients`: (DEC, flags), the EMA seeded where ``guard``, the hold rule's
-    "recent" as flags or, with ``rule``, as a RecentRule over counters."""
+    """decisions() on :func:`_gradients`: (DEC, flags), with a seeded norm EMA (read with ``guard``) and the
+    hold rule's "recent" as flags or, with ``rule``, as a RecentRule over counters."""
     import triton.language as tl
 
     from nonans_optim.kernels._elementwise import elementwise_block
