@@ -235,20 +235,19 @@ def decisions(addr, layout, sel, res, code: int, factor: float | None, ty, align
                else (recent, dec_flags, dec_flags, 0))
     shared = dict(POLICY=code, GUARD=factor is not None, RULE=rule, S=_S, S_PAD=_S_PAD,
                   LOSS=recent.loss_stage if rule else 0)
-    if tickets is not None:
-        if lazy or tickets.dtype != torch.int32 or tickets.numel() < n or nblocks < n:
-            raise ValueError("tickets: an int32 tensor of one entry per tensor, for a group whose every tensor "
-                             "has an entry, and not with lazy")
-        ss = torch.empty(nblocks, dtype=torch.float64, device=device)
-        bad = torch.empty(nblocks, dtype=torch.int32, device=device)
-        _stats_decide_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, tickets, sel, ema, *hold_in[:3], dec,
-                                         dec_flags, float(factor or 0.0), SPIKE_BETA, hold_in[3], TY=ty,
-                                         ALIGNED=aligned, BLOCK=block, RBLOCK=_RBLOCK, num_warps=warps, **shared)
-        return dec, dec_flags
+    if tickets is not None and (lazy or tickets.dtype != torch.int32 or tickets.numel() < n or nblocks < n):
+        raise ValueError("tickets: an int32 tensor of one entry per tensor, for a group whose every tensor "
+                         "has an entry, and not with lazy")
     ss = bad = dec_flags  # under LAZY never read (no statistics launch)
     if not lazy:
         ss = torch.empty(nblocks, dtype=torch.float64, device=device)
         bad = torch.empty(nblocks, dtype=torch.int32, device=device)
+    if tickets is not None:
+        _stats_decide_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, tickets, sel, ema, *hold_in[:3], dec,
+                                         dec_flags, float(factor or 0.0), SPIKE_BETA, hold_in[3], TY=ty,
+                                         ALIGNED=aligned, BLOCK=block, RBLOCK=_RBLOCK, num_warps=warps, **shared)
+        return dec, dec_flags
+    if not lazy:
         _stats_kernel[(nblocks,)](addr, numel, first, owner, ss, bad, TY=ty, ALIGNED=aligned, BLOCK=block,
                                   num_warps=warps)
     # LAZY scans a hold candidate's gradient a block at a time, with an elementwise launch's shape
