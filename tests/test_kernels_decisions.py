@@ -24,8 +24,9 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
-from test_kernels_scalar_one import _force_triton as force_scalar_triton, _shapes  # noqa: E402
-from test_kernels_spectral_step import _force_triton as force_spectral_triton, _run_wide  # noqa: E402
+from test_kernels_scalar_one import _shapes  # noqa: E402
+from test_kernels_spectral_step import _run_wide  # noqa: E402
+from test_kernels_step_size import _force_triton  # noqa: E402  (both paths' Triton kernels, no fallback)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -132,11 +133,6 @@ def case_tickets_refused_where_they_cannot_serve(device):
                           (False, torch.zeros(0, dtype=torch.int32, device=device))):
         with pytest.raises(ValueError, match="tickets"):
             decisions(*args, lazy=lazy, tickets=tickets)
-
-
-def _force_triton(monkeypatch):
-    force_scalar_triton(monkeypatch)
-    force_spectral_triton(monkeypatch)
 
 
 def case_one_launch_fewer_per_group(device, monkeypatch):
