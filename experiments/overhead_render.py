@@ -70,15 +70,16 @@ def render(data: dict[str, Any]) -> str:
         # a row with a control is judged on it (fresh processes, many builds), not on its table line
         ctrl = {c["optimizer"]: c["same_tensors"]["median"] for c in data.get("controls", [])}
         ratio = {r["optimizer"]: ctrl.get(r["optimizer"], r["step"]["median_paired_ratio"]) for r in data["rows"]}
-        ok = {n: x <= 1.02 for n, x in ratio.items()}
+        limit = data["targets"]["cpu_step_ratio_max"]  # (as the controls' verdict below reads it)
+        ok = {n: x <= limit for n, x in ratio.items()}
         # a median under the target whose upper quartile is over it — or over it with its lower quartile
         # under it —, with no fresh-process control, is a median the table's own noise does not resolve:
         # said beside the verdict, not hidden behind it (either way: until 2026-11-26 only a met one was)
         quart = {n: paired_quartiles(data, n) for n in ratio if n not in ctrl}
         loose = {n: (f", upper quartile {q3:.3f}: not resolved" if ok[n] else
                      f", lower quartile {q1:.3f}: not resolved")
-                 for n, (q1, q3) in quart.items() if (q3 > 1.02 if ok[n] else q1 <= 1.02)}
-        label = {n: f"{n} ({overhead_pct(x, 1.02)}{', controls' if n in ctrl else ''}{loose.get(n, '')})"
+                 for n, (q1, q3) in quart.items() if (q3 > limit if ok[n] else q1 <= limit)}
+        label = {n: f"{n} ({overhead_pct(x, limit)}{', controls' if n in ctrl else ''}{loose.get(n, '')})"
                  for n, x in ratio.items()}
 
     def verdict(rows: list[dict[str, Any]]) -> str:

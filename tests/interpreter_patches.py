@@ -112,6 +112,8 @@ def programs_in_order(monkeypatch, order: str, seed: int = 0) -> None:
 
     from triton.runtime import interpreter
 
+    if order not in ("ascending", "reversed", "shuffled"):
+        raise ValueError(f"order must be 'ascending', 'reversed' or 'shuffled', got {order!r}")
     if order == "ascending":
         return
     call = interpreter.GridExecutor.__call__
@@ -127,6 +129,4 @@ def programs_in_order(monkeypatch, order: str, seed: int = 0) -> None:
             return ids
         return builtins.range(*args)
 
-    if order not in ("reversed", "shuffled"):
-        raise ValueError(f"order must be 'ascending', 'reversed' or 'shuffled', got {order!r}")
     monkeypatch.setattr(interpreter, "range", grid_range, raising=False)
