@@ -23,7 +23,7 @@ from interpreted import GPU_COPY, assert_interpreted_suite_passes, marker
 pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
-from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
+from optim_infos import assert_params_and_state_close, assert_resolution_matches, same_tree  # noqa: E402
 from test_kernels_scalar_one import _shapes  # noqa: E402
 from test_kernels_spectral_step import _run_wide  # noqa: E402
 from test_kernels_step_size import _force_triton  # noqa: E402  (both paths' Triton kernels, no fallback)
@@ -192,14 +192,8 @@ def case_folded_run_equals_two_launch_run(device, cls, policy, kw, monkeypatch):
     (ref, ref_opt), (got, got_opt) = runs["0"], runs["1"]
     assert ref_opt.metrics()["resolution/events_total"] > 0
     if device == "cpu":
-        for a, b in zip(ref, got):
-            assert torch.equal(a, b)
-        for a, b in zip(ref, got):
-            sa, sb = ref_opt.state[a], got_opt.state[b]
-            assert sa.keys() == sb.keys()
-            for k in sa:
-                if isinstance(sa[k], torch.Tensor):
-                    assert torch.equal(sa[k], sb[k]), k
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        assert same_tree(ref_opt.state_dict()["state"], got_opt.state_dict()["state"])
     else:
         assert_params_and_state_close(ref, ref_opt, got, got_opt)
     assert_resolution_matches(ref_opt, got_opt)
