@@ -15,21 +15,22 @@ Two launches, or one:
    and a triggered guard's scale, do not depend on scheduling), then the guard's scale and new EMA, the
    spike flag, and the hold / keep-all flags.
 
-``_stats_decide_kernel`` is both in one launch (``tickets`` given to :func:`decisions`;
-``NONANS_TRITON_FOLD_DECIDE=1``, off by default until a GPU run has timed it): every block program writes its
+``_stats_decide_kernel`` is both in one launch (``tickets`` given to :func:`decisions`; the default since the
+H200 run of 2026-11-27, ``NONANS_TRITON_FOLD_DECIDE=0`` returns to two launches): every block program writes its
 partials, then takes a ticket of its tensor (an acq_rel atomic at GPU scope after a barrier, as the one-launch
 AdamW step does, ``scalar_one.py``); the program that takes a tensor's last ticket has every partial of that
 tensor visible, reads them through L2 only (``.cg``), runs the decide kernel's body for it and puts the ticket
 back to zero. No program waits for another, so nothing assumes co-residency (checked under the interpreter with
-the programs in three orders, ``tests/test_kernels_program_order.py``; compiled for sm_90; not yet run on a
-GPU). Why: on gpt2-small the spectral optimizers' "repair" step launched the statistics and decide kernels once
-per parameter group — three groups, six launches at 44–50 µs of host time each on an H200's host (RESULTS.md
-"sync-audit", 2026-11-27) —, against issue 3's budget of 0.3% of a training step. Folded, each group launches
-one. The partials are added in block order by one program either way; only the reduction's lane layout follows
-the launch's warps (one warp for the decide kernel, the statistics launch's for the folded one), so on a GPU the
-float64 norm may differ in its last bit between the two forms — never between two runs of one form. A tensor
-with no entry has no block and so no program of the folded launch: the callers (``scalar_step.scalar_step_``,
-``spectral_step.spectral_prepare_``) pass no tickets for a group that has one.
+the programs in three orders, ``tests/test_kernels_program_order.py``, and on an H200 by the ``gpu`` copies of
+``tests/test_kernels_decisions.py``). Why: on gpt2-small the spectral optimizers' "repair" step launched the
+statistics and decide kernels once per parameter group — three groups, six launches of tens of µs of host time
+each on an H200's host (RESULTS.md "sync-audit-unfolded") —, against issue 3's budget of 0.3% of a training
+step. Folded, each group launches one. The partials are added in block order by one program either way; only
+the reduction's lane layout follows the launch's warps (one warp for the decide kernel, the statistics launch's
+for the folded one), so on a GPU the float64 norm may differ in its last bit between the two forms — never
+between two runs of one form. A tensor with no entry has no block and so no program of the folded launch: the
+callers (``scalar_step.scalar_step_``, ``spectral_step.spectral_prepare_``) pass no tickets for a group that has
+one.
 """
 from __future__ import annotations
 

@@ -47,10 +47,11 @@ def one_launch() -> bool:
 
 
 def fold_decide() -> bool:
-    """``NONANS_TRITON_FOLD_DECIDE`` ("0", the default, or "1"): "1" runs a group's gradient statistics and
-    decisions on the Triton path as one launch instead of two (``kernels/decisions.py`` says why and how).
-    Off until a GPU run has timed it (the opt-in, then the default, as ``one_launch`` went)."""
-    return _choice("NONANS_TRITON_FOLD_DECIDE", "0", ("0", "1")) == "1"
+    """``NONANS_TRITON_FOLD_DECIDE`` ("1", the default, or "0"): "1" runs a group's gradient statistics and
+    decisions on the Triton path as one launch instead of two (``kernels/decisions.py`` says why and how);
+    "0" returns them to two launches. Opt-in until the H200 run of 2026-11-27 (RESULTS.md,
+    "overhead-gpu-gpt2-small" beside "-unfolded"), as ``one_launch`` went."""
+    return _choice("NONANS_TRITON_FOLD_DECIDE", "1", ("0", "1")) == "1"
 
 
 def ns5_backend() -> str:

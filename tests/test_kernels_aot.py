@@ -208,7 +208,7 @@ def test_scalar_step_kernels(policy, param):
 @pytest.mark.parametrize("policy", [1, 2])
 @pytest.mark.parametrize("param", ["fp32", "bf16"])
 def test_stats_decide_kernel(policy, param):
-    """The statistics and decide launches as one (kernels/decisions.py, NONANS_TRITON_FOLD_DECIDE=1), every
+    """The statistics and decide launches as one (kernels/decisions.py, the default), every
     guard and hold-rule form: the ticket an acq_rel atomic at GPU scope, the partials of other programs read
     through L2 (``ld.global.cg``), vector loads of the gradient on full blocks."""
     import triton.language as tl

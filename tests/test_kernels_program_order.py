@@ -2,7 +2,7 @@
 
 Two kernels let whichever program takes a launch's (or a tensor's) last ticket finish the work of the others:
 the one-launch (SF-)AdamW "repair" step (``kernels/scalar_one.py``: the deferred blocks and the record) and the
-folded statistics and decisions (``kernels/decisions.py``, ``NONANS_TRITON_FOLD_DECIDE=1``). Under the
+folded statistics and decisions (``kernels/decisions.py``, the default). Under the
 interpreter the programs ran by ascending id only, so the last ticket always went to the highest id — a
 kernel that chose by id would have passed. Here each launch's programs also run reversed and shuffled
 (``interpreter_patches.programs_in_order``); the results must equal the ascending runs' references.

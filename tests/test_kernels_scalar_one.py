@@ -242,7 +242,8 @@ def case_one_launch_is_one_launch(monkeypatch):
                 for q in params:
                     q.grad = torch.randn_like(q)
                 opt.step()
-        assert launches["_decide_kernel"] == 2 and "_one_launch_kernel" not in launches
+        # "skip" needs the statistics: one launch with the decisions (kernels/decisions.py), per step
+        assert launches["_stats_decide_kernel"] == 2 and "_one_launch_kernel" not in launches
     monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", "0")
     opt = no.AdamW(params, lr=1e-3, impl="fused")
     assert step_launches(monkeypatch, opt, params)["repair"][1] == Counter(["_decide_kernel", "_update_kernel",
@@ -277,7 +278,8 @@ def case_repair_adds_only_the_resolution_launches(monkeypatch):
     under "off" before). Three launches (``NONANS_TRITON_ONE_LAUNCH=0``; the default runs one, see
     case_one_launch_is_one_launch), no spike guard: the decide and record kernels alone — no statistics
     launch, whose program per block ran on every clean step; with the guard, which needs the norm, the
-    statistics kernel too."""
+    statistics and decisions as one launch (kernels/decisions.py; tests/test_kernels_decisions.py counts the
+    two launches of ``NONANS_TRITON_FOLD_DECIDE=0``)."""
     from collections import Counter
 
     _force_triton(monkeypatch)
@@ -285,7 +287,7 @@ def case_repair_adds_only_the_resolution_launches(monkeypatch):
     params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 7, 64, 1)]
     for cls in (no.AdamW, no.SFAdamW):
         for factor, extra in ((None, ["_decide_kernel", "_record_kernel"]),
-                              (10.0, ["_stats_kernel", "_decide_kernel", "_record_kernel"])):
+                              (10.0, ["_stats_decide_kernel", "_record_kernel"])):
             seen = step_launches(monkeypatch, cls(params, lr=1e-3, impl="fused", spike_factor=factor), params)
             (rep_ops, rep_launch), (off_ops, off_launch) = seen["repair"], seen["off"]
             assert rep_ops == off_ops, (rep_ops, off_ops)

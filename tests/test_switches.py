@@ -29,7 +29,7 @@ def clean_env(monkeypatch):
 def test_defaults(clean_env):
     assert (switches.fused_backend(), switches.one_launch(), switches.fold_decide(), switches.ns5_backend(),
             switches.ns5_method(), switches.native_simd(),
-            switches.ns5_triton_min_dim(4096)) == ("auto", True, False, "auto", "auto", "auto", 4096)
+            switches.ns5_triton_min_dim(4096)) == ("auto", True, True, "auto", "auto", "auto", 4096)
     switches.check_all()
     for name in ("NONANS_NS5_BACKEND", "NONANS_NS5_METHOD", "NONANS_NS5_TRITON_MIN_DIM"):
         clean_env.setenv(name, "")  # an exported empty variable means unset for these (a shell's VAR= idiom)

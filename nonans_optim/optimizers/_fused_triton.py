@@ -18,8 +18,8 @@ Host work per step: one small host→device copy of the tensors' addresses (grad
 every backward) and of the bias corrections; nothing is read back. Launches: "off" one; "repair" adds the
 decisions and the record (two; three with the spike guard's statistics) — none where the step's only
 decision is the hold rule (the default "repair" step, ``kernels/scalar_one.py``; ``NONANS_TRITON_ONE_LAUNCH=0``
-returns it to three launches, :func:`one_launch`). ``NONANS_TRITON_FOLD_DECIDE=1`` runs the statistics and
-decisions as one launch where both run (``kernels/decisions.py``; off by default until a GPU run times it).
+returns it to three launches, :func:`one_launch`). The statistics and decisions run as one launch where both
+run (``kernels/decisions.py``; ``NONANS_TRITON_FOLD_DECIDE=0`` returns them to two).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def one_launch() -> bool:
 
 def _tickets(res, indices: list[int], device: torch.device) -> torch.Tensor | None:
     """The zeroed scratch that lets a group's statistics and decide launches run as one
-    (``kernels/decisions.py``), under ``NONANS_TRITON_FOLD_DECIDE=1`` and a resolution policy; else None."""
+    (``kernels/decisions.py``), under a resolution policy unless ``NONANS_TRITON_FOLD_DECIDE=0``; else None."""
     if res is None or not switches.fold_decide():
         return None
     return res.kernel_scratch(("decide", indices[0], len(indices)), len(indices), device)
