@@ -42,9 +42,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "overhead-gpu-gpt2-small-foreach": ("overhead_cuda_gpt2-small_foreach.json", "experiments.overhead_render:render"),
     "overhead-gpu-gpt2-small-three-launch": ("overhead_cuda_gpt2-small_three_launch.json",
                                              "experiments.overhead_render:render"),
-    # the default optimizers with the statistics and decide launches folded (NONANS_TRITON_FOLD_DECIDE=1, opt-in)
-    "overhead-gpu-gpt2-small-fold-decide": ("overhead_cuda_gpt2-small_fold_decide.json",
-                                            "experiments.overhead_render:render"),
+    # the default optimizers with each group's statistics and decide launches as two (NONANS_TRITON_FOLD_DECIDE=0,
+    # the default until 2026-11-27), beside the folded run that made one launch the default
+    "overhead-gpu-gpt2-small-unfolded": ("overhead_cuda_gpt2-small_unfolded.json",
+                                         "experiments.overhead_render:render"),
     # the default optimizers under the one-launch step, beside the full table measured before it was the default
     "overhead-gpu-one-launch": ("overhead_cuda_one_launch.json", "experiments.overhead_render:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
@@ -62,7 +63,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "kernel-static-triton-3.6": ("kernel_static_triton-3.6.json", "experiments.kernel_static:render"),
     "sync-audit": ("sync_audit.json", "experiments.sync_audit:render"),
     "sync-audit-three-launch": ("sync_audit_three_launch.json", "experiments.sync_audit:render"),
-    "sync-audit-fold-decide": ("sync_audit_fold_decide.json", "experiments.sync_audit:render"),
+    "sync-audit-unfolded": ("sync_audit_unfolded.json", "experiments.sync_audit:render"),
     "op-count": ("op_count.json", "experiments.op_count:render"),
     "polyak": ("questions/q5.json", "experiments.questions:polyak_section"),
 }
@@ -74,7 +75,7 @@ def _function(spec: str) -> Callable[[dict[str, Any]], str]:
 
 
 # suffixes of a section that holds the same command's run under other defaults (a JSON does not know them)
-VARIANTS = ("-foreach", "-three-launch", "-one-launch", "-fold-decide")
+VARIANTS = ("-foreach", "-three-launch", "-one-launch", "-unfolded")
 
 
 def _base_section(section: str) -> str:
