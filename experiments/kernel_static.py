@@ -98,9 +98,9 @@ def _scalar_update(sf: bool, gate: bool) -> tuple[Callable, dict, dict]:
                                          ALIGNED=True, EMULATE=False)
 
 
-def _scalar_one(sf: bool, tree: bool = False) -> tuple[Callable, dict, dict, dict]:
+def _scalar_one(sf: bool) -> tuple[Callable, dict, dict, dict]:
     """The one-launch "repair" step (kernels/scalar_one.py): decisions, update and record in one kernel, with
-    its launch's compile options; ``tree``: the tickets as a tree (NONANS_TRITON_TICKET_TREE=1)."""
+    its launch's compile options."""
     import triton.language as tl
     from nonans_optim.kernels import scalar_one as k
     from nonans_optim.kernels.record import BLOCK_P
@@ -113,8 +113,7 @@ def _scalar_one(sf: bool, tree: bool = False) -> tuple[Callable, dict, dict, dic
                  P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
     return k._one_launch_kernel, types, dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False,
                                              S=k._S, S_PAD=k._S_PAD, LOSS=STAGE_INDEX["loss"],
-                                             GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, TREE=tree,
-                                             GROUP=k.TICKET_GROUP, PAD=k._TICKET_PAD), dict(maxnreg=k.MAXNREG)
+                                             GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P), dict(maxnreg=k.MAXNREG)
 
 
 _DECISION_TYPES = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", SS="*fp64", BAD="*i32")
@@ -201,8 +200,6 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple]]] = [
     # decisions, update and record in one launch (the default "repair" step; NONANS_TRITON_ONE_LAUNCH=0: three)
     ("(SF-)AdamW update", "AdamW, repair, one launch", lambda: _scalar_one(False)),
     ("(SF-)AdamW update", "SFAdamW, repair, one launch", lambda: _scalar_one(True)),
-    # the same with the tickets as a tree (NONANS_TRITON_TICKET_TREE=1, opt-in)
-    ("(SF-)AdamW update", "AdamW, repair, one launch, ticket tree", lambda: _scalar_one(False, True)),
     # the launch shape python -m experiments kernels sweeps: 1024 x 8 warps holds 4 entries per thread, not 8
     ("(SF-)AdamW update", "AdamW, off, 1024 x 8", lambda: _scalar_update(False, False)),
     ("(SF-)AdamW update", "AdamW, repair, 1024 x 8", lambda: _scalar_update(False, True)),

@@ -9,9 +9,7 @@ kernel streams at copy bandwidth. Compiled for sm_90, the gated update variant n
 thread than "off" (``kernels/_multi.py``, "packed counts"), so at the one launch shape every elementwise
 kernel shares (``kernels/_elementwise.py::elementwise_block``, 2048 entries x 8 warps) fewer of its blocks
 fit on an SM. This sweep times the optimizer step at a few shapes, each arm's wall time beside its GPU time
-by kernel (torch.profiler), so one GPU run can choose the shape from data. Each shape also times "repair"
-with the one-launch step's tickets as a tree (``NONANS_TRITON_TICKET_TREE=1``, kernels/scalar_one.py): the
-one-launch kernel's GPU time grew with its number of programs, which the tree is meant to stop.
+by kernel (torch.profiler), so one GPU run can choose the shape from data.
 """
 from __future__ import annotations
 
@@ -151,18 +149,15 @@ def bench_block_sweep(timer: Callable, device: torch.device, numel: int, log: Ca
             row: dict[str, Any] = {"block": block, "warps": warps, "numel": size * tensors, "tensors": tensors}
             # the one shape of the stats, decide and update launches alike
             with mock.patch.object(scalar_step, "elementwise_block", lambda b=block, w=warps: (b, w)):
-                for arm, policy, tree in (("repair", "repair", "0"), ("off", "off", "0"),
-                                          ("repair_tree", "repair", "1")):
+                for policy in ("repair", "off"):
                     torch.manual_seed(0)
-                    with mock.patch.dict(os.environ, {"NONANS_TRITON_TICKET_TREE": tree}):
-                        opt = no.AdamW(_with_grads(size, tensors, device), lr=1e-3, impl="fused", resolution=policy)
-                        row[f"{arm}_ms"] = timer(opt.step)
-                        if profile is not None:
-                            row[f"{arm}_device_us"] = profile(opt.step)["total"]
+                    opt = no.AdamW(_with_grads(size, tensors, device), lr=1e-3, impl="fused", resolution=policy)
+                    row[f"{policy}_ms"] = timer(opt.step)
+                    if profile is not None:
+                        row[f"{policy}_device_us"] = profile(opt.step)["total"]
             row["repair_vs_off"] = row["repair_ms"] / row["off_ms"]
             log(f"  AdamW(impl='fused') block {block} x {warps} warps: repair {row['repair_ms']:.3f} ms, "
-                f"off {row['off_ms']:.3f} ms ({row['repair_vs_off']:.2f}x), repair with the ticket tree "
-                f"{row['repair_tree_ms']:.3f} ms")
+                f"off {row['off_ms']:.3f} ms ({row['repair_vs_off']:.2f}x)")
             rows.append(row)
     return rows
 
@@ -172,21 +167,14 @@ def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     r0 = rows[0]
-    tree = any("repair_tree_ms" in r for r in rows)  # runs before 2026-11-27's ticket tree did not time it
     lines = [f"\nLaunch shape of the fused AdamW step (`experiments/kernels_step.py`; {r0['tensors']} fp32 tensors, "
-             f"{r0['numel']:,} entries; the default shape is the first row; GPU µs from torch.profiler"
-             + ("; \"tree\": repair with `NONANS_TRITON_TICKET_TREE=1`" if tree else "") + "):\n",
-             "| entries per block × warps | repair ms | off ms | repair / off | GPU µs repair | GPU µs off |"
-             + (" tree ms | GPU µs tree |" if tree else ""),
-             "|---|---|---|---|---|---|" + ("---|---|" if tree else "")]
+             f"{r0['numel']:,} entries; the default shape is the first row; GPU µs from torch.profiler):\n",
+             "| entries per block × warps | repair ms | off ms | repair / off | GPU µs repair | GPU µs off |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        keys = ("repair_device_us", "off_device_us") + (("repair_tree_device_us",) if tree else ())
-        gpu = [f"{r[k]:.0f}" if r.get(k) is not None else "—" for k in keys]
-        line = (f"| {r['block']} × {r['warps']} | {r['repair_ms']:.3f} | {r['off_ms']:.3f} | "
-                f"{r['repair_vs_off']:.2f} | {gpu[0]} | {gpu[1]} |")
-        if tree:
-            line += f" {_ms(r.get('repair_tree_ms'))} | {gpu[2]} |"
-        lines.append(line)
+        gpu = [f"{r[k]:.0f}" if r.get(k) is not None else "—" for k in ("repair_device_us", "off_device_us")]
+        lines.append(f"| {r['block']} × {r['warps']} | {r['repair_ms']:.3f} | {r['off_ms']:.3f} | "
+                     f"{r['repair_vs_off']:.2f} | {gpu[0]} | {gpu[1]} |")
     return lines
 
 

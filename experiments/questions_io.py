@@ -34,9 +34,8 @@ def environment() -> dict[str, Any]:
 
 
 # The library's switches that change what a measurement runs (the cache directory does not).
-SWITCHES = ("NONANS_TRITON_ONE_LAUNCH", "NONANS_TRITON_FOLD_DECIDE", "NONANS_TRITON_TICKET_TREE",
-            "NONANS_FUSED_BACKEND", "NONANS_NATIVE", "NONANS_NATIVE_SIMD", "NONANS_NS5_BACKEND", "NONANS_NS5_METHOD",
-            "NONANS_NS5_TRITON_MIN_DIM")
+SWITCHES = ("NONANS_TRITON_ONE_LAUNCH", "NONANS_TRITON_FOLD_DECIDE", "NONANS_FUSED_BACKEND", "NONANS_NATIVE",
+            "NONANS_NATIVE_SIMD", "NONANS_NS5_BACKEND", "NONANS_NS5_METHOD", "NONANS_NS5_TRITON_MIN_DIM")
 
 
 def env_prefix() -> str:

@@ -46,9 +46,6 @@ SECTIONS: dict[str, tuple[str, str]] = {
     # the default until 2026-11-27), beside the folded run that made one launch the default
     "overhead-gpu-gpt2-small-unfolded": ("overhead_cuda_gpt2-small_unfolded.json",
                                          "experiments.overhead_render:render"),
-    # the default optimizers with the one-launch step's tickets as a tree (NONANS_TRITON_TICKET_TREE=1, opt-in)
-    "overhead-gpu-gpt2-small-ticket-tree": ("overhead_cuda_gpt2-small_ticket_tree.json",
-                                            "experiments.overhead_render:render"),
     # the default optimizers under the one-launch step, beside the full table measured before it was the default
     "overhead-gpu-one-launch": ("overhead_cuda_one_launch.json", "experiments.overhead_render:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
@@ -78,7 +75,7 @@ def _function(spec: str) -> Callable[[dict[str, Any]], str]:
 
 
 # suffixes of a section that holds the same command's run under other defaults (a JSON does not know them)
-VARIANTS = ("-foreach", "-three-launch", "-one-launch", "-unfolded", "-ticket-tree")
+VARIANTS = ("-foreach", "-three-launch", "-one-launch", "-unfolded")
 
 
 def _base_section(section: str) -> str:

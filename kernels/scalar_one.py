@@ -31,20 +31,6 @@ scans a held candidate's gradient in one program). A clean step adds to each pro
 gradient entry, its parameter's counters and one atomic; the record runs in the last program instead of a
 launch of its own.
 
-The ticket tree (``tree=True``; ``NONANS_TRITON_TICKET_TREE=1``, opt-in until a GPU run times it). Every
-program's ticket is one acq_rel atomic on one address, and atomics on one address are performed one after
-another: on an H200 (RESULTS.md "Triton kernels on a GPU", launch-shape table, 2026-11-27) this kernel took
-580 µs of GPU time on 8 tensors of 67M entries in 32,768 programs against 465 µs for the update kernel alone,
-1218 µs in 65,536 programs (1024-entry blocks, where "off" took 455) and 2516 µs in 131,072 (512-entry blocks,
-"off" 452) — a cost that grows faster than the number of programs, 12–16 ns per ticket at the two smaller
-block sizes, as one address's queue of atomics would; the three-launch path (the run at 21e5331), whose gated
-update kernel takes no ticket, spent 476 µs on the same step. With
-the tree, a program takes a ticket of its group of ``TICKET_GROUP`` consecutive programs (each group's counter
-on a 128-byte line of its own), and only the last of each group takes the launch's ticket: no address sees
-more than ``TICKET_GROUP`` atomics, or the number of groups. The last program is then the last at the top: it
-synchronises with every group's last, each of which synchronised with its whole group, and causality order is
-transitive, so it sees every program's writes as before. It zeroes the group counters too.
-
 Memory ordering (PTX memory model): the counts, flags and deferred ids are written with atomics or before
 the barrier that precedes the ticket; the ticket is an acq_rel atomic at GPU scope, so the last program's
 acquire sees every release before it, and it reads what other programs wrote through L2 only (``.cg``).
@@ -70,7 +56,7 @@ from .decisions import _recent
 from .scalar_step import _columns, group_launch
 from .scalar_update import _speculative_update
 
-__all__ = ["scalar_step_one_", "scratch_size", "MAXNREG", "TICKET_GROUP"]
+__all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]
 
 _S = len(STAGES)
 _S_PAD = triton.next_power_of_2(_S)
@@ -82,18 +68,10 @@ _S_PAD = triton.next_power_of_2(_S)
 MAXNREG = 80
 
 
-# Programs per group of the ticket tree, and the int32 entries from one group's counter to the next (128 bytes:
-# a line each, so that the groups' atomics do not queue at one line).
-TICKET_GROUP = 128
-_TICKET_PAD = 32
-
-
-def scratch_size(n: int, nblocks: int, tree: bool = False) -> int:
+def scratch_size(n: int, nblocks: int) -> int:
     """int32 entries of the scratch a launch over ``n`` tensors in ``nblocks`` blocks needs: the ticket
-    count, the deferred count, a flag per tensor ("a finite gradient entry seen") and the deferred ids; with
-    the ticket ``tree``, a counter per group of ``TICKET_GROUP`` programs after them, one 128-byte line each."""
-    groups = triton.cdiv(nblocks, TICKET_GROUP) if tree else 0
-    return 2 + n + nblocks + groups * _TICKET_PAD
+    count, the deferred count, a flag per tensor ("a finite gradient entry seen") and the deferred ids."""
+    return 2 + n + nblocks
 
 
 @triton.jit
@@ -115,10 +93,9 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
                        RES_NUMEL, step, P, K, backoff, min_scale, growth, TY: tl.constexpr, SF: tl.constexpr,
                        DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr,
                        S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
-                       BLOCK_P: tl.constexpr, TREE: tl.constexpr, GROUP: tl.constexpr, PAD: tl.constexpr):
+                       BLOCK_P: tl.constexpr):
     """One program per block of the group (see the module docstring). SCRATCH (int32, zero before the
-    launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids (nblocks)],
-    then with TREE a counter per group of GROUP programs, PAD entries apart."""
+    launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids]."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     sel = tl.load(SEL + t)
     first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)  # (a tensor with a block is not empty)
@@ -140,16 +117,8 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
         _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, pid, pid < 0, TY, SF, DECAY_Z,
                     ALIGNED, EMULATE, BLOCK)
     tl.debug_barrier()  # every thread's counts and flags of this program before its ticket
-    if TREE:
-        groups = tl.cdiv(nblocks, GROUP)
-        group = pid // GROUP
-        size = tl.minimum(nblocks - group * GROUP, GROUP)
-        last = pid < 0  # False
-        if tl.atomic_add(SCRATCH + 2 + n + nblocks + group * PAD, 1, sem="acq_rel", scope="gpu") == size - 1:
-            last = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu") == groups - 1  # the group's last
-    else:
-        last = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu") == nblocks - 1
-    if last:  # the last program: every other one has added its counts
+    ticket = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu")
+    if ticket == nblocks - 1:  # the last program: every other one has added its counts
         tl.debug_barrier()
         for i in range(tl.load(SCRATCH + 1, cache_modifier=".cg")):
             other = tl.load(SCRATCH + 2 + n + i, cache_modifier=".cg")
@@ -163,31 +132,25 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
         for at in range(0, 2 + n, BLOCK):  # the ticket and deferred counts and the flags; the ids are
             idx = at + tl.arange(0, BLOCK)  # overwritten before they are read again
             tl.store(SCRATCH + idx, tl.zeros_like(idx), mask=idx < 2 + n)
-        if TREE:  # every group's counter has had its last ticket (its group's last took the top one)
-            for at in range(0, tl.cdiv(nblocks, GROUP), BLOCK):
-                idx = at + tl.arange(0, BLOCK)
-                tl.store(SCRATCH + 2 + n + nblocks + idx * PAD, tl.zeros_like(idx), mask=idx < tl.cdiv(nblocks, GROUP))
 
 
 def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, decay_z: bool, sel: torch.Tensor,
                      counters: dict[str, torch.Tensor], numel: torch.Tensor, dense: torch.Tensor,
                      scratch: Callable[[int], torch.Tensor], step: int, backoff: float, min_scale: float,
-                     growth_interval: int, repeat_window: int, tree: bool = False) -> None:
+                     growth_interval: int, repeat_window: int) -> None:
     """``scalar_step_(..., policy="repair", factor=None)`` followed by ``record.record_step_(counters, dense,
     step, consume=True, ...)``, in one launch. ``counters``: the Resolution tensors (``Resolution.tensors``,
     updated in place); ``numel`` their (P,) sizes; ``dense`` the step's (P, S, 2) count block,
     zero on entry and zeroed again; ``scratch(size)`` returns an int32 tensor of at least ``size`` entries
-    (:func:`scratch_size`), zero on entry and left zero. ``tree``: the tickets as a tree (module docstring).
-    Nothing is read back to the host."""
+    (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host."""
     launch = group_launch(params, grads, zs if sf else ms, vs)
     if launch is None:
         return
     (layout_numel, first, owner, nblocks), addr, aligned = launch
     n = len(params)
-    need = scratch_size(n, nblocks, tree)
-    work = scratch(need)
-    if work.numel() < need or work.dtype != torch.int32:
-        raise ValueError(f"scratch must be int32 with at least {need} entries")
+    work = scratch(scratch_size(n, nblocks))
+    if work.numel() < scratch_size(n, nblocks) or work.dtype != torch.int32:
+        raise ValueError(f"scratch must be int32 with at least {scratch_size(n, nblocks)} entries")
     block, warps = elementwise_block()
     P, K = dense.shape[0], counters["ring_step"].shape[0]
     c = counters
@@ -198,5 +161,5 @@ def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, dec
             c["ring_escalated"], c["ring_held"], c["ring_ptr"], c["escalations"], numel, int(step), P, K,
             float(backoff), float(min_scale), int(growth_interval), TY=tl_dtype(params[0].dtype), SF=sf,
             DECAY_Z=decay_z, ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, S=_S, S_PAD=_S_PAD,
-            LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, TREE=bool(tree), GROUP=TICKET_GROUP,
-            PAD=_TICKET_PAD, num_warps=warps, enable_fp_fusion=False, maxnreg=MAXNREG)
+            LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, num_warps=warps,
+            enable_fp_fusion=False, maxnreg=MAXNREG)

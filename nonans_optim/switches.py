@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["fused_backend", "one_launch", "fold_decide", "ticket_tree", "ns5_backend", "ns5_triton_min_dim",
-           "ns5_method", "native_simd", "check_all", "FUSED_BACKENDS", "NS5_BACKENDS", "NS5_METHODS", "SIMD_MODES"]
+__all__ = ["fused_backend", "one_launch", "fold_decide", "ns5_backend", "ns5_triton_min_dim", "ns5_method",
+           "native_simd", "check_all", "FUSED_BACKENDS", "NS5_BACKENDS", "NS5_METHODS", "SIMD_MODES"]
 
 FUSED_BACKENDS = ("auto", "native", "triton")
 NS5_BACKENDS = ("auto", "torch", "triton")
@@ -54,13 +54,6 @@ def fold_decide() -> bool:
     return _choice("NONANS_TRITON_FOLD_DECIDE", "1", ("0", "1")) == "1"
 
 
-def ticket_tree() -> bool:
-    """``NONANS_TRITON_TICKET_TREE`` ("0", the default, or "1"): "1" has the one-launch (SF-)AdamW step's
-    programs take their tickets in groups, so that no address queues every program's atomic
-    (``kernels/scalar_one.py`` says why). Off until a GPU run has timed it (as ``fold_decide`` went)."""
-    return _choice("NONANS_TRITON_TICKET_TREE", "0", ("0", "1")) == "1"
-
-
 def ns5_backend() -> str:
     """``NONANS_NS5_BACKEND``: what ``backend="auto"`` of ``ns5`` means (unset or empty: "auto")."""
     return _choice("NONANS_NS5_BACKEND", "auto", NS5_BACKENDS, empty_is_default=True)
@@ -90,7 +83,6 @@ def check_all() -> None:
     fused_backend()
     one_launch()
     fold_decide()
-    ticket_tree()
     ns5_backend()
     ns5_triton_min_dim(0)
     ns5_method()

@@ -22,8 +22,7 @@ def test_dry_run_lists_every_stage_and_writes_nothing(tmp_path):
                           timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
     assert proc.returncode == 0, proc.stderr
     assert re.findall(r"^== (\w+) ", proc.stdout, flags=re.M) == [
-        "tests", "kernels", "gpt2", "tree_gpt2", "audit", "overhead", "three_gpt2", "three_audit", "unfold_gpt2",
-        "unfold_audit"]
+        "tests", "kernels", "gpt2", "audit", "overhead", "three_gpt2", "three_audit", "unfold_gpt2", "unfold_audit"]
     assert not (tmp_path / "out").exists()  # a dry run creates no folder and no log
 
 

@@ -251,8 +251,7 @@ def test_one_launch_kernel(param):
     for sf, decay_z in ((False, False), (True, False), (True, True)):
         compiled = compile_for_hopper(_one_launch_kernel, types,
                                       dict(TY=ty, SF=sf, DECAY_Z=decay_z, ALIGNED=True, EMULATE=False, BLOCK=2048,
-                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, TREE=False, GROUP=128,
-                                           PAD=32),
+                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P),
                                       num_warps=8, enable_fp_fusion=False, maxnreg=MAXNREG)
         _binary_ok(compiled)
         ptx = compiled.asm["ptx"]
@@ -261,16 +260,6 @@ def test_one_launch_kernel(param):
         assert f".maxnreg {MAXNREG}" in ptx
         assert "fma.rn.f32" not in ptx, "no contraction: clean repair must equal off"
         assert re.search(r"st\.global(\.\w+)*\.v[24]", ptx), "full blocks: vector stores"
-    if param == "fp32":  # the ticket tree (NONANS_TRITON_TICKET_TREE=1): a group's ticket, then the launch's
-        compiled = compile_for_hopper(_one_launch_kernel, types,
-                                      dict(TY=ty, SF=False, DECAY_Z=False, ALIGNED=True, EMULATE=False, BLOCK=2048,
-                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, TREE=True, GROUP=128,
-                                           PAD=32),
-                                      num_warps=8, enable_fp_fusion=False, maxnreg=MAXNREG)
-        _binary_ok(compiled)
-        ptx = compiled.asm["ptx"]
-        assert len(re.findall(r"atom(\.\w+)*\.gpu\.acq_rel\.add\.u32", ptx)) >= 2, "both tickets acq_rel"
-        assert f".maxnreg {MAXNREG}" in ptx
 
 
 @pytest.mark.parametrize("consume", [False, True])

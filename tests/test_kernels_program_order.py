@@ -45,10 +45,9 @@ if INTERPRETED:
         case_folded_run_equals_two_launch_run("cpu", no.SFNorMuon, "repair", {}, monkeypatch)
 
     @pytest.mark.parametrize("order", ORDERS)
-    @pytest.mark.parametrize("tree", [False, True], ids=["ticket", "tree"])
-    def test_one_launch_step_in_any_order(order, tree, monkeypatch):
+    def test_one_launch_step_in_any_order(order, monkeypatch):
         programs_in_order(monkeypatch, order)
-        case_one_launch_matches_loop("cpu", no.AdamW, monkeypatch, tree)
+        case_one_launch_matches_loop("cpu", no.AdamW, monkeypatch)
 
     def test_the_order_is_changed(monkeypatch):
         """The patch reaches the launch: a kernel storing its program id in a list of slots, in the order

@@ -182,19 +182,13 @@ def _one_launch_run(cls, impl: str, device: str, monkeypatch, *, one: bool):
     return params, opt
 
 
-def case_one_launch_matches_loop(device, cls, monkeypatch, tree: bool = False):
+def case_one_launch_matches_loop(device, cls, monkeypatch):
     """``NONANS_TRITON_ONE_LAUNCH=1`` (kernels/scalar_one.py): the default "repair" step in one launch matches
     impl="loop" — parameters, state, every Resolution tensor, the events — and the three-launch path bit for
-    bit, and leaves its scratch zeroed for the next step. ``tree``: the tickets as a tree
-    (``NONANS_TRITON_TICKET_TREE=1``) of groups of two programs, so that the launch's blocks make several
-    groups (under the interpreter nine blocks: five groups, the last one short)."""
+    bit, and leaves its scratch zeroed for the next step."""
     from nonans_optim.kernels import scalar_one
-    from nonans_optim.kernels._elementwise import elementwise_block
 
     _force_triton(monkeypatch)
-    monkeypatch.setenv("NONANS_TRITON_TICKET_TREE", "1" if tree else "0")
-    if tree:
-        monkeypatch.setattr(scalar_one, "TICKET_GROUP", 2)
     calls = []
     real = scalar_one.scalar_step_one_
 
@@ -221,10 +215,7 @@ def case_one_launch_matches_loop(device, cls, monkeypatch, tree: bool = False):
     assert {actions[k] for k in ((2, 0), (4, 4), (5, 4), (6, 3))} == {"repaired"}
     (scratch,) = got_opt._resolution._scratch.values()  # one group: one scratch
     n = len(_one_sizes())  # its tickets, deferred count and flags are zero again; deferred ids were written
-    nblocks = sum(-(-k // elementwise_block()[0]) for k in _one_sizes())
-    assert scratch.numel() == scalar_one.scratch_size(n, nblocks, tree)
-    assert int(scratch[:2 + n].abs().sum()) == 0 and int(scratch[2 + n:2 + n + nblocks].abs().sum()) > 0
-    assert int(scratch[2 + n + nblocks:].abs().sum()) == 0  # the tree's group counters, zeroed again
+    assert int(scratch[:2 + n].abs().sum()) == 0 and int(scratch[2 + n:].abs().sum()) > 0
 
 
 def case_one_launch_is_one_launch(monkeypatch):
@@ -331,10 +322,9 @@ def _define(device, marks=()):
         case_skip_holds_as_the_loop_does(device, cls, monkeypatch)
 
     @mark
-    @pytest.mark.parametrize("tree", [False, True], ids=["ticket", "tree"])
     @ADAMW_FAMILY
-    def test_one_launch_matches_loop(cls, tree, monkeypatch):
-        case_one_launch_matches_loop(device, cls, monkeypatch, tree)
+    def test_one_launch_matches_loop(cls, monkeypatch):
+        case_one_launch_matches_loop(device, cls, monkeypatch)
 
     @mark
     def test_one_launch_failure_falls_back(monkeypatch):

@@ -14,7 +14,7 @@ from nonans_optim import switches
 
 PACKAGE = Path(no.__file__).resolve().parent
 BAD = [("NONANS_FUSED_BACKEND", "cuda"), ("NONANS_TRITON_ONE_LAUNCH", "yes"), ("NONANS_TRITON_FOLD_DECIDE", "on"),
-       ("NONANS_TRITON_TICKET_TREE", "2"), ("NONANS_NS5_BACKEND", "cublas"),
+       ("NONANS_NS5_BACKEND", "cublas"),
        ("NONANS_NS5_TRITON_MIN_DIM", "-1"), ("NONANS_NS5_METHOD", "fast"), ("NONANS_NATIVE_SIMD", "avx"),
        ("NONANS_NS5_TRITON_MIN_DIM", "4k")]
 
@@ -27,9 +27,9 @@ def clean_env(monkeypatch):
 
 
 def test_defaults(clean_env):
-    assert (switches.fused_backend(), switches.one_launch(), switches.fold_decide(), switches.ticket_tree(),
-            switches.ns5_backend(), switches.ns5_method(), switches.native_simd(),
-            switches.ns5_triton_min_dim(4096)) == ("auto", True, True, False, "auto", "auto", "auto", 4096)
+    assert (switches.fused_backend(), switches.one_launch(), switches.fold_decide(), switches.ns5_backend(),
+            switches.ns5_method(), switches.native_simd(),
+            switches.ns5_triton_min_dim(4096)) == ("auto", True, True, "auto", "auto", "auto", 4096)
     switches.check_all()
     for name in ("NONANS_NS5_BACKEND", "NONANS_NS5_METHOD", "NONANS_NS5_TRITON_MIN_DIM"):
         clean_env.setenv(name, "")  # an exported empty variable means unset for these (a shell's VAR= idiom)

@@ -124,7 +124,7 @@ def _scalar_one(args: tuple, indices: list[int], res, step: int, *, sf: bool, de
                                 counters=res.tensors, numel=res.numel, dense=dense, step=step,
                                 scratch=lambda size: res.kernel_scratch((indices[0], len(indices)), size, device),
                                 backoff=res.backoff, min_scale=res.min_scale, growth_interval=res.growth_interval,
-                                repeat_window=res.repeat_window, tree=switches.ticket_tree())
+                                repeat_window=res.repeat_window)
 
 
 def _failed(err: Exception, states: list[dict]) -> None:
