@@ -31,6 +31,22 @@ scans a held candidate's gradient in one program). A clean step adds to each pro
 gradient entry, its parameter's counters and one atomic; the record runs in the last program instead of a
 launch of its own.
 
+What the ticket costs a large step (an open question). On an H200 (RESULTS.md "Triton kernels on a GPU",
+launch-shape table, 2026-11-27) this kernel took 580 µs of GPU time on 8 tensors of 67M entries in 32,768
+programs, where "off" (the update kernel, no ticket) took 465; 1218 µs in 65,536 programs (1024-entry blocks;
+"off" 455) and 2516 in 131,072 (512-entry blocks; "off" 452): an extra cost per program that grows as blocks
+shrink, where the three-launch path's gated update kernel, which takes no ticket, stayed at "off"'s time (476
+µs with its decide and record launches, the run at 21e5331). It is not the queue of atomics on the one ticket
+counter: a ticket tree (each program's ticket on its group's counter, 128 programs per group on lines of
+their own, and only each group's last on the launch's) changed nothing when timed in the same session's
+last device minutes (``python -m experiments kernels``' sweep, whose JSON the device time did not leave
+written: repair without/with the tree 0.589/0.594 ms at 2048 x 4, 1.220/1.217 at 1024 x 8, 2.505/2.499 at
+512 x 4), so it was not kept (commit 1ddf1b2). The next suspect is the acq_rel ticket's fence: it waits
+until the program's own stores of p, m and v — the whole block's — are visible, which under a saturated
+memory system can take microseconds during which the program keeps its place on the SM. Taking the ticket
+before those stores (the last program reads none of them) would test that; so would fewer programs, each
+looping over several blocks.
+
 Memory ordering (PTX memory model): the counts, flags and deferred ids are written with atomics or before
 the barrier that precedes the ticket; the ticket is an acq_rel atomic at GPU scope, so the last program's
 acquire sees every release before it, and it reads what other programs wrote through L2 only (``.cg``).
