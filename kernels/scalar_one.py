@@ -41,11 +41,15 @@ counter: a ticket tree (each program's ticket on its group's counter, 128 progra
 their own, and only each group's last on the launch's) changed nothing when timed in the same session's
 last device minutes (``python -m experiments kernels``' sweep, whose JSON the device time did not leave
 written: repair without/with the tree 0.589/0.594 ms at 2048 x 4, 1.220/1.217 at 1024 x 8, 2.505/2.499 at
-512 x 4), so it was not kept (commit 1ddf1b2). The next suspect is the acq_rel ticket's fence: it waits
-until the program's own stores of p, m and v — the whole block's — are visible, which under a saturated
-memory system can take microseconds during which the program keeps its place on the SM. Taking the ticket
-before those stores (the last program reads none of them) would test that; so would fewer programs, each
-looping over several blocks.
+512 x 4), so it was not kept (commit 1ddf1b2). What else a program does that the update kernel's does not,
+each a per-program cost: (1) the acq_rel ticket's fence, which waits until the program's own stores of p, m
+and v — the whole block's — are visible, under a saturated memory system possibly microseconds during which
+the program keeps its place on the SM (taking the ticket before those stores would test it: the last program
+reads none of them); (2) the chain of dependent loads before the block's own (its tensor, the gradient's
+first entry, the parameter's counters for the hold rule); (3) the stack the register limit spills to
+(``python -m experiments kernel-static``: 72–88 bytes per thread here, none in the update kernel). A GPU run
+of timing-only variants, one suspect removed in each, would tell them apart; fewer programs, each looping
+over several blocks, would divide all three.
 
 Memory ordering (PTX memory model): the counts, flags and deferred ids are written with atomics or before
 the barrier that precedes the ticket; the ticket is an acq_rel atomic at GPU scope, so the last program's
