@@ -111,9 +111,9 @@ def _scalar_one(sf: bool) -> tuple[Callable, dict, dict, dict]:
                  SCRATCH="*i32", n="i32", nblocks="i32", COUNTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64",
                  RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64", RES_NUMEL="*i64", step="i32",
                  P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
-    return k._one_launch_kernel, types, dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False,
-                                             S=k._S, S_PAD=k._S_PAD, LOSS=STAGE_INDEX["loss"],
-                                             GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P), dict(maxnreg=k.MAXNREG)
+    constexprs = dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False, S=k._S, S_PAD=k._S_PAD,
+                      LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, ABLATE=0)
+    return k._one_launch_kernel, types, constexprs, dict(maxnreg=k.MAXNREG)
 
 
 _DECISION_TYPES = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", SS="*fp64", BAD="*i32")

@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, bench_spectral_step,
-                                      device_time_per_step, gbps, render_fused_step, render_spectral_step,
-                                      render_sweep)
+from experiments.kernels_step import (_ms, bench_block_sweep, bench_fused_step, bench_one_launch_ablation,
+                                      bench_spectral_step, device_time_per_step, gbps, render_ablation,
+                                      render_fused_step, render_spectral_step, render_sweep)
 from experiments.questions_io import at_commit, checkout_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,6 +252,8 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
         fused_step[f"{arm}_fraction_of_copy"] = fused_step[f"{arm}_gbps"] * 1e9 / bandwidth
     sweep = bench_block_sweep(timer, device, 4096 if dry_run else 1 << 26, log,
                               None if dry_run else device_time_per_step)
+    ablation = bench_one_launch_ablation(timer, device, 4096 if dry_run else 1 << 26, log,
+                                         None if dry_run else device_time_per_step)
     spectral = bench_spectral_step(timer, device, log, None if dry_run else device_time_per_step,
                                    **(dict(shape=(16, 24), matrices=2) if dry_run else {}))
     return {"device": name, "dry_run": dry_run, "torch": torch.__version__, "triton": triton.__version__,
@@ -259,7 +261,8 @@ def run(dry_run: bool, compile_ref: bool, shapes=None, log=print) -> dict[str, A
             "command": "python -m experiments kernels" + (" --dry-run" if dry_run else ""),
             "compile_backend": compile_backend, "matmul_bf16_tflops": rate / 1e12,
             "copy_gbps": bandwidth / 1e9, "ns5": rows, "crossover": crossover(rows), "fp16_safe": fp16_safe,
-            "elementwise": elementwise, "fused_step": fused_step, "block_sweep": sweep, "spectral_step": spectral,
+            "elementwise": elementwise, "fused_step": fused_step, "block_sweep": sweep, "one_launch_ablation": ablation,
+            "spectral_step": spectral,
             "targets": check_targets(rows)}
 
 
@@ -309,6 +312,7 @@ def render(data: dict[str, Any]) -> str:
               f"| momentum_update_ repair | {_ms(e['momentum_repair_ms'])} | {e['momentum_repair_gbps']:.0f} | "
               f"{e['momentum_fraction_of_copy']:.2f} |"]
     lines += render_fused_step(f, data["copy_gbps"]) + render_sweep(data.get("block_sweep") or [])
+    lines += render_ablation(data.get("one_launch_ablation") or [])
     lines += render_spectral_step(data.get("spectral_step") or [])
     return "\n".join(lines)
 

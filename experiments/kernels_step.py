@@ -13,6 +13,8 @@ by kernel (torch.profiler), so one GPU run can choose the shape from data.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from typing import Any, Callable
 from unittest import mock
@@ -20,7 +22,8 @@ from unittest import mock
 import torch
 
 __all__ = ["CONFIGS", "gbps", "bench_fused_step", "device_time_per_step", "render_fused_step", "bench_block_sweep",
-           "render_sweep", "bench_spectral_step", "render_spectral_step"]
+           "render_sweep", "bench_one_launch_ablation", "render_ablation", "bench_spectral_step",
+           "render_spectral_step"]
 
 # Bytes each arm of the fused step must move per fp32 entry. Until 2026-11-26 "repair" was counted at 32,
 # as if the spike guard's extra read of g ran: AdamW's default has no guard (runs before then recorded no
@@ -135,20 +138,32 @@ def render_fused_step(f: dict[str, Any] | None, copy_gbps: float) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def _at_shape(block: int, warps: int):
+    """Every launch of the (SF-)AdamW step at one shape: the layout (scalar_step) and each kernel's own BLOCK
+    and warps. Until 2026-11-27 the sweep patched scalar_step's alone: the one-launch kernel (scalar_one, the
+    "repair" default) then ran its own 2048 x 8 over the smaller blocks' layout — 2x or 4x the programs, the
+    extra ones with no entry —, so the "repair" rows of that table at other shapes time idle programs."""
+    from nonans_optim.kernels import decisions, scalar_one, scalar_step
+
+    with contextlib.ExitStack() as stack:
+        for module in (scalar_step, scalar_one, decisions):
+            stack.enter_context(mock.patch.object(module, "elementwise_block", lambda: (block, warps)))
+        yield
+
+
 def bench_block_sweep(timer: Callable, device: torch.device, numel: int, log: Callable,
                       profile: Callable | None = None, tensors: int = 8, configs=CONFIGS) -> list[dict[str, Any]]:
     """Per launch shape: ``AdamW(impl="fused")`` on ``tensors`` equal fp32 tensors, "repair" and "off" — the
     timer's ms per step and, with ``profile`` (``kernels.device_time_per_step``), GPU µs per step."""
     import nonans_optim as no
-    from nonans_optim.kernels import scalar_step
 
     size = max(numel // tensors, 1)
     rows = []
     with _on_triton():
         for block, warps in configs:
             row: dict[str, Any] = {"block": block, "warps": warps, "numel": size * tensors, "tensors": tensors}
-            # the one shape of the stats, decide and update launches alike
-            with mock.patch.object(scalar_step, "elementwise_block", lambda b=block, w=warps: (b, w)):
+            with _at_shape(block, warps):
                 for policy in ("repair", "off"):
                     torch.manual_seed(0)
                     opt = no.AdamW(_with_grads(size, tensors, device), lr=1e-3, impl="fused", resolution=policy)
@@ -175,6 +190,53 @@ def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
         gpu = [f"{r[k]:.0f}" if r.get(k) is not None else "—" for k in ("repair_device_us", "off_device_us")]
         lines.append(f"| {r['block']} × {r['warps']} | {r['repair_ms']:.3f} | {r['off_ms']:.3f} | "
                      f"{r['repair_vs_off']:.2f} | {gpu[0]} | {gpu[1]} |")
+    return lines
+
+
+def bench_one_launch_ablation(timer: Callable, device: torch.device, numel: int, log: Callable,
+                              profile: Callable | None = None, tensors: int = 8,
+                              configs=((2048, 8), (1024, 8))) -> list[dict[str, Any]]:
+    """The one-launch "repair" step's timing-only variants (``kernels/scalar_one.py::ABLATIONS``: the relaxed
+    ticket, no hold-rule prologue, no register limit) beside "off", on ``tensors`` equal fp32 tensors at two
+    launch shapes: which per-program cost makes that kernel slower than "off" on a large step (its docstring).
+    A variant's results are not the step's; only its time is read."""
+    import nonans_optim as no
+    from nonans_optim.kernels import scalar_one
+
+    size = max(numel // tensors, 1)
+    real = scalar_one.scalar_step_one_
+    arms = [("off", None, None)] + [(name, bits, reg) for name, (bits, reg) in scalar_one.ABLATIONS.items()]
+    rows = []
+    with _on_triton():
+        for block, warps in configs:
+            with _at_shape(block, warps):
+                for name, bits, reg in arms:
+                    torch.manual_seed(0)
+                    policy = "off" if bits is None else "repair"
+                    with mock.patch.object(scalar_one, "scalar_step_one_",
+                                           real if bits is None else functools.partial(real, ablate=bits, maxnreg=reg)):
+                        opt = no.AdamW(_with_grads(size, tensors, device), lr=1e-3, impl="fused", resolution=policy)
+                        row = {"block": block, "warps": warps, "numel": size * tensors, "tensors": tensors,
+                               "variant": name, "ms": timer(opt.step)}
+                        if profile is not None:
+                            row["device_us"] = profile(opt.step)["total"]
+                    log(f"  one launch, {block} x {warps}, {name}: {row['ms']:.3f} ms")
+                    rows.append(row)
+    return rows
+
+
+def render_ablation(rows: list[dict[str, Any]]) -> list[str]:
+    """The ablation's table for the kernels section (lines; none without rows)."""
+    if not rows:
+        return []
+    r0 = rows[0]
+    lines = [f"\nThe one-launch \"repair\" kernel's per-program cost, by suspect (`kernels/scalar_one.py::ABLATIONS`, "
+             f"timing-only variants, each removing one; {r0['tensors']} fp32 tensors, {r0['numel']:,} entries; "
+             "GPU µs from torch.profiler):\n",
+             "| entries per block × warps | variant | ms | GPU µs |", "|---|---|---|---|"]
+    for r in rows:
+        gpu = f"{r['device_us']:.0f}" if r.get("device_us") is not None else "—"
+        lines.append(f"| {r['block']} × {r['warps']} | {r['variant']} | {r['ms']:.3f} | {gpu} |")
     return lines
 
 

@@ -31,25 +31,25 @@ scans a held candidate's gradient in one program). A clean step adds to each pro
 gradient entry, its parameter's counters and one atomic; the record runs in the last program instead of a
 launch of its own.
 
-What the ticket costs a large step (an open question). On an H200 (RESULTS.md "Triton kernels on a GPU",
-launch-shape table, 2026-11-27) this kernel took 580 µs of GPU time on 8 tensors of 67M entries in 32,768
-programs, where "off" (the update kernel, no ticket) took 465; 1218 µs in 65,536 programs (1024-entry blocks;
-"off" 455) and 2516 in 131,072 (512-entry blocks; "off" 452): an extra cost per program that grows as blocks
-shrink, where the three-launch path's gated update kernel, which takes no ticket, stayed at "off"'s time (476
-µs with its decide and record launches, the run at 21e5331). It is not the queue of atomics on the one ticket
-counter: a ticket tree (each program's ticket on its group's counter, 128 programs per group on lines of
-their own, and only each group's last on the launch's) changed nothing when timed in the same session's
-last device minutes (``python -m experiments kernels``' sweep, whose JSON the device time did not leave
-written: repair without/with the tree 0.589/0.594 ms at 2048 x 4, 1.220/1.217 at 1024 x 8, 2.505/2.499 at
-512 x 4), so it was not kept (commit 1ddf1b2). What else a program does that the update kernel's does not,
-each a per-program cost: (1) the acq_rel ticket's fence, which waits until the program's own stores of p, m
-and v — the whole block's — are visible, under a saturated memory system possibly microseconds during which
-the program keeps its place on the SM (taking the ticket before those stores would test it: the last program
-reads none of them); (2) the chain of dependent loads before the block's own (its tensor, the gradient's
-first entry, the parameter's counters for the hold rule); (3) the stack the register limit spills to
-(``python -m experiments kernel-static``: 72–88 bytes per thread here, none in the update kernel). A GPU run
-of timing-only variants, one suspect removed in each, would tell them apart; fewer programs, each looping
-over several blocks, would divide all three.
+What this kernel costs a large step (an open question). On an H200 (RESULTS.md "Triton kernels on a GPU",
+2026-11-27) it took 580 µs of GPU time on 8 tensors of 67M entries in 32,768 programs, where "off" (the
+update kernel) took 465 and the three-launch path's gated update kernel, with its decide and record launches,
+476 (the run at 21e5331): about 25% more, 0.75 of copy bandwidth instead of 0.96. The launch-shape table's
+"repair" rows at smaller blocks did not run this kernel at those shapes (the sweep patched the layout's block
+and not this kernel's own, fixed since): they ran it at 2048 x 8 with 2x and 4x the programs, the extra ones
+owning no entry — and took 1218 and 2516 µs, so a program that moves no data cost about 19 ns of the kernel's
+time. That per-program cost is not the queue of atomics on the one ticket counter: a ticket tree (each
+program's ticket on its group's counter, 128 programs per group on lines of their own, and only each group's
+last on the launch's) changed nothing when timed in the same session's last device minutes (``python -m
+experiments kernels``' sweep, whose JSON the device time did not leave written: repair without/with the tree
+0.589/0.594 ms at 2048 x 4, 1.220/1.217 at "1024 x 8", 2.505/2.499 at "512 x 4"), so it was not kept (commit
+1ddf1b2). What a program does that the update kernel's does not, each a per-program cost: (1) the acq_rel
+ticket's fence at GPU scope; (2) the chain of dependent loads before the block's own (its tensor, the
+gradient's first entry, the parameter's counters for the hold rule); (3) the stack the register limit spills
+to (``python -m experiments kernel-static``: 72–88 bytes per thread here, none in the update kernel). The
+timing-only variants of :data:`ABLATIONS` remove one suspect each (``python -m experiments kernels``, its
+"per-program cost" table); fewer programs, each looping over several blocks, would divide all three. The
+folded decisions (``decisions.py``) take an acq_rel ticket per program too.
 
 Memory ordering (PTX memory model): the counts, flags and deferred ids are written with atomics or before
 the barrier that precedes the ticket; the ticket is an acq_rel atomic at GPU scope, so the last program's
@@ -76,7 +76,7 @@ from .decisions import _recent
 from .scalar_step import _columns, group_launch
 from .scalar_update import _speculative_update
 
-__all__ = ["scalar_step_one_", "scratch_size", "MAXNREG"]
+__all__ = ["scalar_step_one_", "scratch_size", "MAXNREG", "ABLATIONS"]
 
 _S = len(STAGES)
 _S_PAD = triton.next_power_of_2(_S)
@@ -86,6 +86,23 @@ _S_PAD = triton.next_power_of_2(_S)
 # thread to the stack, under triton 3.9 and the GPU image's 3.6 alike (``python -m experiments kernel-static``,
 # both sections, "stack bytes"). Which is faster is for a GPU run to say.
 MAXNREG = 80
+
+
+# Timing-only variants of the kernel (the ``ablate`` bits of :func:`scalar_step_one_`; the library always passes
+# 0): each removes one suspect of its per-program cost (module docstring), so that one GPU run can say which it
+# is. Their results are not the step's: a relaxed ticket lets the last program read counts before they are
+# visible, and without the prologue no tensor is ever a candidate, so the hold rule never holds.
+# Bits (written as literals in the kernel: the interpreter cannot combine an int with a constexpr global):
+# 1, the ticket a relaxed atomic (no fence); 2, no hold-rule prologue (no tensor a candidate).
+RELAXED_TICKET, NO_PROLOGUE = 1, 2
+# name -> (ablate bits, register limit): the shipped kernel first
+ABLATIONS: dict[str, tuple[int, int | None]] = {
+    "as shipped": (0, MAXNREG),
+    "ticket without acq_rel (relaxed)": (RELAXED_TICKET, MAXNREG),
+    "no hold-rule prologue": (NO_PROLOGUE, MAXNREG),
+    "no register limit (no spills)": (0, None),
+    "all three": (RELAXED_TICKET | NO_PROLOGUE, None),
+}
 
 
 def scratch_size(n: int, nblocks: int) -> int:
@@ -113,13 +130,17 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
                        RES_NUMEL, step, P, K, backoff, min_scale, growth, TY: tl.constexpr, SF: tl.constexpr,
                        DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr,
                        S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
-                       BLOCK_P: tl.constexpr):
+                       BLOCK_P: tl.constexpr, ABLATE: tl.constexpr):
     """One program per block of the group (see the module docstring). SCRATCH (int32, zero before the
-    launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids]."""
+    launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids]. ABLATE:
+    0, or the timing-only bits of :data:`ABLATIONS`."""
     pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     sel = tl.load(SEL + t)
-    first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)  # (a tensor with a block is not empty)
-    candidate = _recent(STREAK, STREAK, EVENTS, sel, window, True, S, S_PAD, LOSS) & ~_finite(first)
+    if ABLATE & 2:  # NO_PROLOGUE
+        candidate = pid < 0  # False
+    else:
+        first = tl.load(_column(ADDR, t, 1, TY, 0, ALIGNED)).to(tl.float32)  # (a tensor with a block has one)
+        candidate = _recent(STREAK, STREAK, EVENTS, sel, window, True, S, S_PAD, LOSS) & ~_finite(first)
     deferred = pid < 0  # False
     if candidate:
         idx = tl.arange(0, BLOCK)
@@ -137,7 +158,10 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
         _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, pid, pid < 0, TY, SF, DECAY_Z,
                     ALIGNED, EMULATE, BLOCK)
     tl.debug_barrier()  # every thread's counts and flags of this program before its ticket
-    ticket = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu")
+    if ABLATE & 1:  # RELAXED_TICKET
+        ticket = tl.atomic_add(SCRATCH, 1, sem="relaxed", scope="gpu")
+    else:
+        ticket = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu")
     if ticket == nblocks - 1:  # the last program: every other one has added its counts
         tl.debug_barrier()
         for i in range(tl.load(SCRATCH + 1, cache_modifier=".cg")):
@@ -157,12 +181,16 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
 def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, decay_z: bool, sel: torch.Tensor,
                      counters: dict[str, torch.Tensor], numel: torch.Tensor, dense: torch.Tensor,
                      scratch: Callable[[int], torch.Tensor], step: int, backoff: float, min_scale: float,
-                     growth_interval: int, repeat_window: int) -> None:
+                     growth_interval: int, repeat_window: int, ablate: int = 0,
+                     maxnreg: int | None = MAXNREG) -> None:
     """``scalar_step_(..., policy="repair", factor=None)`` followed by ``record.record_step_(counters, dense,
     step, consume=True, ...)``, in one launch. ``counters``: the Resolution tensors (``Resolution.tensors``,
     updated in place); ``numel`` their (P,) sizes; ``dense`` the step's (P, S, 2) count block,
     zero on entry and zeroed again; ``scratch(size)`` returns an int32 tensor of at least ``size`` entries
-    (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host."""
+    (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host. ``ablate`` and
+    ``maxnreg``: the timing-only variants of :data:`ABLATIONS` (the library passes neither)."""
+    if ablate not in (0, 1, 2, 3):
+        raise ValueError(f"ablate takes the bits of ABLATIONS (0-3), got {ablate!r}")
     launch = group_launch(params, grads, zs if sf else ms, vs)
     if launch is None:
         return
@@ -181,5 +209,5 @@ def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, dec
             c["ring_escalated"], c["ring_held"], c["ring_ptr"], c["escalations"], numel, int(step), P, K,
             float(backoff), float(min_scale), int(growth_interval), TY=tl_dtype(params[0].dtype), SF=sf,
             DECAY_Z=decay_z, ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, S=_S, S_PAD=_S_PAD,
-            LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, num_warps=warps,
-            enable_fp_fusion=False, maxnreg=MAXNREG)
+            LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, ABLATE=int(ablate),
+            num_warps=warps, enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))

@@ -251,7 +251,7 @@ def test_one_launch_kernel(param):
     for sf, decay_z in ((False, False), (True, False), (True, True)):
         compiled = compile_for_hopper(_one_launch_kernel, types,
                                       dict(TY=ty, SF=sf, DECAY_Z=decay_z, ALIGNED=True, EMULATE=False, BLOCK=2048,
-                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P),
+                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, ABLATE=0),
                                       num_warps=8, enable_fp_fusion=False, maxnreg=MAXNREG)
         _binary_ok(compiled)
         ptx = compiled.asm["ptx"]
@@ -260,6 +260,14 @@ def test_one_launch_kernel(param):
         assert f".maxnreg {MAXNREG}" in ptx
         assert "fma.rn.f32" not in ptx, "no contraction: clean repair must equal off"
         assert re.search(r"st\.global(\.\w+)*\.v[24]", ptx), "full blocks: vector stores"
+    if param == "fp32":  # the timing-only variants (scalar_one.ABLATIONS) compile too: no fence, no prologue
+        compiled = compile_for_hopper(_one_launch_kernel, types,
+                                      dict(TY=ty, SF=False, DECAY_Z=False, ALIGNED=True, EMULATE=False, BLOCK=2048,
+                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, ABLATE=3),
+                                      num_warps=8, enable_fp_fusion=False)
+        _binary_ok(compiled)
+        ptx = compiled.asm["ptx"]  # the ticket relaxed; (the counts' atomics, on a faulty block only, stay acq_rel)
+        assert re.search(r"atom(\.\w+)*\.relaxed\.add\.u32", ptx) and not re.search(r"acq_rel\.add\.u32", ptx)
 
 
 @pytest.mark.parametrize("consume", [False, True])

@@ -320,6 +320,11 @@ if INTERPRETED:
         assert [(r["block"], r["warps"]) for r in data["block_sweep"]] == list(CONFIGS)
         assert all(r["repair_ms"] > 0 and r["off_ms"] > 0 and "repair_device_us" not in r for r in data["block_sweep"])
         assert "| 1024 × 4 | " in text and "| — | — |" in text
+        # the one-launch kernel's timing-only variants, beside "off", at two shapes
+        from nonans_optim.kernels.scalar_one import ABLATIONS
+        assert [r["variant"] for r in data["one_launch_ablation"]] == ["off", *ABLATIONS] * 2
+        assert all(r["ms"] > 0 and "device_us" not in r for r in data["one_launch_ablation"])
+        assert "per-program cost, by suspect" in text and "| 1024 × 8 | no hold-rule prologue |" in text
         # the spectral fused step: both optimizers, both policies, timed (GPU µs only from a CUDA run)
         spec = data["spectral_step"]
         assert [(r["optimizer"], r["policy"]) for r in spec] == [
@@ -330,6 +335,28 @@ if INTERPRETED:
             bench.main(["--render-only", "--out", str(out), "--results-md", str(tmp_path / "R.md")])
         assert not (tmp_path / "R.md").exists()
         assert set(data["targets"]["met"]) == set(bench.TARGETS)
+
+    def test_block_sweep_runs_every_kernel_at_its_shape(monkeypatch):
+        """The launch-shape sweep gives every kernel of the step the shape it names — the one-launch kernel
+        (the "repair" default) too, which until 2026-11-27 kept its own 2048 x 8 over the sweep's layout."""
+        from experiments.kernels_step import CONFIGS, bench_block_sweep
+        from nonans_optim.kernels import scalar_one
+
+        seen = set()
+        real_step = scalar_one.scalar_step_one_
+
+        def recorded(*args, **kwargs):
+            seen.add(scalar_one.elementwise_block())
+            return real_step(*args, **kwargs)
+        monkeypatch.setattr(scalar_one, "scalar_step_one_", recorded)
+        rows = bench_block_sweep(lambda step: (step(), 1.0)[1], torch.device("cpu"), 4096, lambda *_: None)
+        assert [(r["block"], r["warps"]) for r in rows] == list(CONFIGS)
+        assert seen == set(CONFIGS)  # the one-launch step ran at each shape, as the row says
+        kw = dict.fromkeys(("sf", "decay_z", "sel", "counters", "numel", "dense", "scratch", "step", "backoff",
+                            "min_scale", "growth_interval", "repeat_window"))
+        with pytest.raises(ValueError, match="ablate takes the bits of ABLATIONS"):  # before anything is read
+            real_step(*[None] * 8, **kw, ablate=4)
+
 else:
     @pytest.mark.parametrize("shard", range(2))
     def test_interpreter_suite(shard):
