@@ -246,21 +246,26 @@ def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, pr
     batched NS5, KL-Shampoo stacked) on ``matrices`` fp32 parameters of one shape — by default a gpt2-small
     layer stack's MLP projections —, "repair" and "off": the timer's ms per step and, with ``profile``, the
     GPU µs per step by kernel, so a run shows where the repair's time goes (the decisions, the gated
-    launches, or the host)."""
+    launches, or the host). "repair, unfolded": the statistics and decide launches as two
+    (``NONANS_TRITON_FOLD_DECIDE=0``): the folded launch takes an acq_rel ticket per program, a per-program
+    cost that made the one-launch AdamW kernel slower on large steps (kernels/scalar_one.py), and the fold
+    became the default on gpt2-small's host-bound step, so this row is its price on a GPU-bound one."""
     import nonans_optim as no
 
     rows = []
     with _on_triton():
         for cls in (no.SFNorMuon, no.FullFusion):
-            for policy in ("repair", "off"):
+            for arm, policy, fold in (("repair", "repair", "1"), ("off", "off", "1"),
+                                      ("repair, unfolded", "repair", "0")):
                 torch.manual_seed(0)
                 params = _with_grads(shape, matrices, device, scale=0.02)
-                opt = cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused", resolution=policy)
-                row: dict[str, Any] = {"optimizer": cls.__name__, "policy": policy, "shape": list(shape),
-                                       "matrices": matrices, "ms": timer(opt.step)}
-                if profile is not None:
-                    row["device_us"] = profile(opt.step)
-                log(f"  {cls.__name__}(impl='fused') {matrices} x {shape[0]}x{shape[1]} {policy}: {row['ms']:.3f} ms")
+                with mock.patch.dict(os.environ, {"NONANS_TRITON_FOLD_DECIDE": fold}):
+                    opt = cls([{"params": params, "path": "spectral"}], lr=1e-3, impl="fused", resolution=policy)
+                    row: dict[str, Any] = {"optimizer": cls.__name__, "policy": arm, "shape": list(shape),
+                                           "matrices": matrices, "ms": timer(opt.step)}
+                    if profile is not None:
+                        row["device_us"] = profile(opt.step)
+                log(f"  {cls.__name__}(impl='fused') {matrices} x {shape[0]}x{shape[1]} {arm}: {row['ms']:.3f} ms")
                 rows.append(row)
     return rows
 

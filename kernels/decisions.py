@@ -30,7 +30,10 @@ the reduction's lane layout follows the launch's warps (one warp for the decide 
 for the folded one), so on a GPU the float64 norm may differ in its last bit between the two forms — never
 between two runs of one form. A tensor with no entry has no block and so no program of the folded launch: the
 callers (``scalar_step.scalar_step_``, ``spectral_step.spectral_prepare_``) pass no tickets for a group that has
-one.
+one. Not yet measured: the price on a large, GPU-bound step. Every program takes an acq_rel ticket, and the
+one-launch AdamW kernel, which does the same, spent about 25% more GPU time than its update kernel alone on a
+67M-entry step (``scalar_one.py``); the fold became the default on gpt2-small's host-bound step, where launches
+cost more. ``python -m experiments kernels`` times the spectral step folded and not ("repair, unfolded").
 """
 from __future__ import annotations
 

@@ -328,7 +328,7 @@ if INTERPRETED:
         # the spectral fused step: both optimizers, both policies, timed (GPU µs only from a CUDA run)
         spec = data["spectral_step"]
         assert [(r["optimizer"], r["policy"]) for r in spec] == [
-            ("SFNorMuon", "repair"), ("SFNorMuon", "off"), ("FullFusion", "repair"), ("FullFusion", "off")]
+            (cls, arm) for cls in ("SFNorMuon", "FullFusion") for arm in ("repair", "off", "repair, unfolded")]
         assert all(r["ms"] > 0 and "device_us" not in r for r in spec)
         assert "| FullFusion | off | " in text
         with pytest.raises(SystemExit, match="GPU runs only"):  # a dry run never reaches RESULTS.md
