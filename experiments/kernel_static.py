@@ -98,9 +98,9 @@ def _scalar_update(sf: bool, gate: bool) -> tuple[Callable, dict, dict]:
                                          ALIGNED=True, EMULATE=False)
 
 
-def _scalar_one(sf: bool) -> tuple[Callable, dict, dict, dict]:
+def _scalar_one(sf: bool, loop: bool = False) -> tuple[Callable, dict, dict, dict]:
     """The one-launch "repair" step (kernels/scalar_one.py): decisions, update and record in one kernel, with
-    its launch's compile options."""
+    its launch's compile options; ``loop``: its programs looping over blocks."""
     import triton.language as tl
     from nonans_optim.kernels import scalar_one as k
     from nonans_optim.kernels.record import BLOCK_P
@@ -108,11 +108,12 @@ def _scalar_one(sf: bool) -> tuple[Callable, dict, dict, dict]:
 
     types = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32",
                  GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32",
-                 SCRATCH="*i32", n="i32", nblocks="i32", COUNTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64",
-                 RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64", RES_NUMEL="*i64", step="i32",
-                 P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
+                 SCRATCH="*i32", n="i32", nblocks="i32", nprog="i32", COUNTS="*i64", RING_COUNTS="*i64",
+                 RING_STEP="*i64", RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64",
+                 RES_NUMEL="*i64", step="i32", P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
     constexprs = dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False, S=k._S, S_PAD=k._S_PAD,
-                      LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, ABLATE=0)
+                      LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, ABLATE=0,
+                      LOOP=loop)
     return k._one_launch_kernel, types, constexprs, dict(maxnreg=k.MAXNREG)
 
 
@@ -200,6 +201,8 @@ VARIANTS: list[tuple[str, str, Callable[[], tuple]]] = [
     # decisions, update and record in one launch (the default "repair" step; NONANS_TRITON_ONE_LAUNCH=0: three)
     ("(SF-)AdamW update", "AdamW, repair, one launch", lambda: _scalar_one(False)),
     ("(SF-)AdamW update", "SFAdamW, repair, one launch", lambda: _scalar_one(True)),
+    # its programs looping over blocks (scalar_step_one_(programs=...); timed by python -m experiments kernels)
+    ("(SF-)AdamW update", "AdamW, repair, one launch, looping programs", lambda: _scalar_one(False, True)),
     # the launch shape python -m experiments kernels sweeps: 1024 x 8 warps holds 4 entries per thread, not 8
     ("(SF-)AdamW update", "AdamW, off, 1024 x 8", lambda: _scalar_update(False, False)),
     ("(SF-)AdamW update", "AdamW, repair, 1024 x 8", lambda: _scalar_update(False, True)),

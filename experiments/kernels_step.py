@@ -199,22 +199,26 @@ def bench_one_launch_ablation(timer: Callable, device: torch.device, numel: int,
     """The one-launch "repair" step's timing-only variants (``kernels/scalar_one.py::ABLATIONS``: the relaxed
     ticket, no hold-rule prologue, no register limit) beside "off", on ``tensors`` equal fp32 tensors at two
     launch shapes: which per-program cost makes that kernel slower than "off" on a large step (its docstring).
-    A variant's results are not the step's; only its time is read."""
+    A variant's results are not the step's; only its time is read. Then a candidate fix, whose results are:
+    fewer programs, each looping over blocks (``programs=`` a few per SM on a GPU, two under the
+    interpreter)."""
     import nonans_optim as no
     from nonans_optim.kernels import scalar_one
 
     size = max(numel // tensors, 1)
     real = scalar_one.scalar_step_one_
-    arms = [("off", None, None)] + [(name, bits, reg) for name, (bits, reg) in scalar_one.ABLATIONS.items()]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    arms = [("off", {})] + [(name, dict(ablate=bits, maxnreg=reg))
+                            for name, (bits, reg) in scalar_one.ABLATIONS.items()]
+    arms += [(f"looping programs, {k} per SM", dict(programs=k * sms if sms else 2)) for k in (3, 12)]
     rows = []
     with _on_triton():
         for block, warps in configs:
             with _at_shape(block, warps):
-                for name, bits, reg in arms:
+                for name, kw in arms:
                     torch.manual_seed(0)
-                    policy = "off" if bits is None else "repair"
-                    with mock.patch.object(scalar_one, "scalar_step_one_",
-                                           real if bits is None else functools.partial(real, ablate=bits, maxnreg=reg)):
+                    policy = "off" if name == "off" else "repair"
+                    with mock.patch.object(scalar_one, "scalar_step_one_", functools.partial(real, **kw)):
                         opt = no.AdamW(_with_grads(size, tensors, device), lr=1e-3, impl="fused", resolution=policy)
                         row = {"block": block, "warps": warps, "numel": size * tensors, "tensors": tensors,
                                "variant": name, "ms": timer(opt.step)}
@@ -231,8 +235,8 @@ def render_ablation(rows: list[dict[str, Any]]) -> list[str]:
         return []
     r0 = rows[0]
     lines = [f"\nThe one-launch \"repair\" kernel's per-program cost, by suspect (`kernels/scalar_one.py::ABLATIONS`, "
-             f"timing-only variants, each removing one; {r0['tensors']} fp32 tensors, {r0['numel']:,} entries; "
-             "GPU µs from torch.profiler):\n",
+             f"timing-only variants, each removing one, then its programs looping over blocks; {r0['tensors']} fp32 "
+             f"tensors, {r0['numel']:,} entries; GPU µs from torch.profiler):\n",
              "| entries per block × warps | variant | ms | GPU µs |", "|---|---|---|---|"]
     for r in rows:
         gpu = f"{r['device_us']:.0f}" if r.get("device_us") is not None else "—"

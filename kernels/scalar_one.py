@@ -48,8 +48,10 @@ ticket's fence at GPU scope; (2) the chain of dependent loads before the block's
 gradient's first entry, the parameter's counters for the hold rule); (3) the stack the register limit spills
 to (``python -m experiments kernel-static``: 72–88 bytes per thread here, none in the update kernel). The
 timing-only variants of :data:`ABLATIONS` remove one suspect each (``python -m experiments kernels``, its
-"per-program cost" table); fewer programs, each looping over several blocks, would divide all three. The
-folded decisions (``decisions.py``) take an acq_rel ticket per program too.
+"per-program cost" table). Fewer programs, each looping over several blocks, would divide all three:
+``scalar_step_one_(programs=...)`` launches that (LOOP; the same results, tested beside the one-program-per-
+block launch), which the same table times at 3 and 12 programs per SM; the library does not use it until a GPU
+run says it wins. The folded decisions (``decisions.py``) take an acq_rel ticket per program too.
 
 Memory ordering (PTX memory model): the counts, flags and deferred ids are written with atomics or before
 the barrier that precedes the ticket; the ticket is an acq_rel atomic at GPU scope, so the last program's
@@ -69,7 +71,7 @@ import triton.language as tl
 from nonans_optim.resolution import STAGE_INDEX, STAGES
 
 from ._elementwise import elementwise_block
-from ._multi import _ROW, _block, _block_of, _column, _finite
+from ._multi import _ROW, _block_of, _column, _finite
 from ._runtime import interpreting, on_device, tl_dtype
 from .record import BLOCK_P, record
 from .decisions import _recent
@@ -124,17 +126,14 @@ def _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DEN
                         hold, pid < 0, DENSE + sel * _ROW, TY, SF, DECAY_Z, EMULATE, BLOCK)
 
 
-@triton.jit(do_not_specialize=["n", "nblocks", "step", "P"])
-def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, STREAK, EVENTS, window,
-                       SCRATCH, n, nblocks, COUNTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR, ESCALATIONS,
-                       RES_NUMEL, step, P, K, backoff, min_scale, growth, TY: tl.constexpr, SF: tl.constexpr,
-                       DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr,
-                       S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr, GRAD: tl.constexpr,
-                       BLOCK_P: tl.constexpr, ABLATE: tl.constexpr):
-    """One program per block of the group (see the module docstring). SCRATCH (int32, zero before the
-    launch and after it): [tickets, deferred count, finite-seen flag per tensor (n), deferred ids]. ABLATE:
-    0, or the timing-only bits of :data:`ABLATIONS`."""
-    pid, t, start, rem = _block(BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
+@triton.jit
+def _own_block(pid, ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, STREAK, EVENTS, window, SCRATCH,
+               n, TY: tl.constexpr, SF: tl.constexpr, DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr,
+               EMULATE: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr,
+               ABLATE: tl.constexpr):
+    """Block ``pid`` as its own program takes it (module docstring): updated at once unless its tensor is a
+    candidate and the block has no finite gradient entry, in which case its id joins the deferred list."""
+    t, start, rem = _block_of(pid, BLOCK_TENSOR, FIRST, NUMEL, BLOCK)
     sel = tl.load(SEL + t)
     if ABLATE & 2:  # NO_PROLOGUE
         candidate = pid < 0  # False
@@ -157,12 +156,35 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
     if ~deferred:
         _update_one(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, pid, pid < 0, TY, SF, DECAY_Z,
                     ALIGNED, EMULATE, BLOCK)
+
+
+@triton.jit(do_not_specialize=["n", "nblocks", "nprog", "step", "P"])
+def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, STREAK, EVENTS, window,
+                       SCRATCH, n, nblocks, nprog, COUNTS, RING_COUNTS, RING_STEP, RING_ESC, RING_HELD, RING_PTR,
+                       ESCALATIONS, RES_NUMEL, step, P, K, backoff, min_scale, growth, TY: tl.constexpr,
+                       SF: tl.constexpr, DECAY_Z: tl.constexpr, ALIGNED: tl.constexpr, EMULATE: tl.constexpr,
+                       BLOCK: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, LOSS: tl.constexpr,
+                       GRAD: tl.constexpr, BLOCK_P: tl.constexpr, ABLATE: tl.constexpr, LOOP: tl.constexpr):
+    """One program per block of the group (see the module docstring), or with LOOP ``nprog`` programs, each
+    taking blocks pid, pid + nprog, ... before its one ticket (a candidate fix for the per-program cost, timed
+    by ``python -m experiments kernels``). SCRATCH (int32, zero before the launch and after it): [tickets,
+    deferred count, finite-seen flag per tensor (n), deferred ids]. ABLATE: 0, or the timing-only bits of
+    :data:`ABLATIONS`."""
+    pid = tl.program_id(0)
+    if LOOP:
+        for i in range(pid, nblocks, nprog):
+            blk = pid * 0 + i  # a tensor under the interpreter too, whose range yields ints
+            _own_block(blk, ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, STREAK, EVENTS, window,
+                       SCRATCH, n, TY, SF, DECAY_Z, ALIGNED, EMULATE, BLOCK, S, S_PAD, LOSS, ABLATE)
+    else:
+        _own_block(pid, ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, SEL, DENSE, STREAK, EVENTS, window,
+                   SCRATCH, n, TY, SF, DECAY_Z, ALIGNED, EMULATE, BLOCK, S, S_PAD, LOSS, ABLATE)
     tl.debug_barrier()  # every thread's counts and flags of this program before its ticket
     if ABLATE & 1:  # RELAXED_TICKET
         ticket = tl.atomic_add(SCRATCH, 1, sem="relaxed", scope="gpu")
     else:
         ticket = tl.atomic_add(SCRATCH, 1, sem="acq_rel", scope="gpu")
-    if ticket == nblocks - 1:  # the last program: every other one has added its counts
+    if ticket == nprog - 1:  # the last program: every other one has added its counts
         tl.debug_barrier()
         for i in range(tl.load(SCRATCH + 1, cache_modifier=".cg")):
             other = tl.load(SCRATCH + 2 + n + i, cache_modifier=".cg")
@@ -181,16 +203,19 @@ def _one_launch_kernel(ADDR, NUMEL, FIRST, BLOCK_TENSOR, BC, HP, GAMMA, SCALE, S
 def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, decay_z: bool, sel: torch.Tensor,
                      counters: dict[str, torch.Tensor], numel: torch.Tensor, dense: torch.Tensor,
                      scratch: Callable[[int], torch.Tensor], step: int, backoff: float, min_scale: float,
-                     growth_interval: int, repeat_window: int, ablate: int = 0,
+                     growth_interval: int, repeat_window: int, programs: int | None = None, ablate: int = 0,
                      maxnreg: int | None = MAXNREG) -> None:
     """``scalar_step_(..., policy="repair", factor=None)`` followed by ``record.record_step_(counters, dense,
     step, consume=True, ...)``, in one launch. ``counters``: the Resolution tensors (``Resolution.tensors``,
     updated in place); ``numel`` their (P,) sizes; ``dense`` the step's (P, S, 2) count block,
     zero on entry and zeroed again; ``scratch(size)`` returns an int32 tensor of at least ``size`` entries
-    (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host. ``ablate`` and
-    ``maxnreg``: the timing-only variants of :data:`ABLATIONS` (the library passes neither)."""
+    (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host. ``programs``: at
+    most that many programs, each looping over blocks (None: one per block, the library's launch). ``ablate``
+    and ``maxnreg``: the timing-only variants of :data:`ABLATIONS` (the library passes neither)."""
     if ablate not in (0, 1, 2, 3):
         raise ValueError(f"ablate takes the bits of ABLATIONS (0-3), got {ablate!r}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     launch = group_launch(params, grads, zs if sf else ms, vs)
     if launch is None:
         return
@@ -200,14 +225,16 @@ def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, dec
     if work.numel() < scratch_size(n, nblocks) or work.dtype != torch.int32:
         raise ValueError(f"scratch must be int32 with at least {scratch_size(n, nblocks)} entries")
     block, warps = elementwise_block()
+    nprog = nblocks if programs is None else min(programs, nblocks)
     P, K = dense.shape[0], counters["ring_step"].shape[0]
     c = counters
     with on_device(params[0]):
-        _one_launch_kernel[(nblocks,)](
+        _one_launch_kernel[(nprog,)](
             addr, layout_numel, first, owner, bcs, hp, gamma, c["scale"], sel, dense, c["clean_streak"], c["events"],
-            int(repeat_window), work, n, nblocks, c["counts"], c["ring_counts"], c["ring_step"],
+            int(repeat_window), work, n, nblocks, nprog, c["counts"], c["ring_counts"], c["ring_step"],
             c["ring_escalated"], c["ring_held"], c["ring_ptr"], c["escalations"], numel, int(step), P, K,
             float(backoff), float(min_scale), int(growth_interval), TY=tl_dtype(params[0].dtype), SF=sf,
             DECAY_Z=decay_z, ALIGNED=aligned, EMULATE=interpreting(), BLOCK=block, S=_S, S_PAD=_S_PAD,
             LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, ABLATE=int(ablate),
-            num_warps=warps, enable_fp_fusion=False, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+            LOOP=programs is not None, num_warps=warps, enable_fp_fusion=False,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}))

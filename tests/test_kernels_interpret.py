@@ -322,7 +322,8 @@ if INTERPRETED:
         assert "| 1024 × 4 | " in text and "| — | — |" in text
         # the one-launch kernel's timing-only variants, beside "off", at two shapes
         from nonans_optim.kernels.scalar_one import ABLATIONS
-        assert [r["variant"] for r in data["one_launch_ablation"]] == ["off", *ABLATIONS] * 2
+        looping = ["looping programs, 3 per SM", "looping programs, 12 per SM"]
+        assert [r["variant"] for r in data["one_launch_ablation"]] == ["off", *ABLATIONS, *looping] * 2
         assert all(r["ms"] > 0 and "device_us" not in r for r in data["one_launch_ablation"])
         assert "per-program cost, by suspect" in text and "| 1024 × 8 | no hold-rule prologue |" in text
         # the spectral fused step: both optimizers, both policies, timed (GPU µs only from a CUDA run)

@@ -45,9 +45,10 @@ if INTERPRETED:
         case_folded_run_equals_two_launch_run("cpu", no.SFNorMuon, "repair", {}, monkeypatch)
 
     @pytest.mark.parametrize("order", ORDERS)
-    def test_one_launch_step_in_any_order(order, monkeypatch):
+    @pytest.mark.parametrize("programs", [None, 2], ids=["per-block", "looping"])
+    def test_one_launch_step_in_any_order(order, programs, monkeypatch):
         programs_in_order(monkeypatch, order)
-        case_one_launch_matches_loop("cpu", no.AdamW, monkeypatch)
+        case_one_launch_matches_loop("cpu", no.AdamW, monkeypatch, programs)
 
     def test_the_order_is_changed(monkeypatch):
         """The patch reaches the launch: a kernel storing its program id in a list of slots, in the order

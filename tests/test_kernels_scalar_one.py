@@ -182,10 +182,11 @@ def _one_launch_run(cls, impl: str, device: str, monkeypatch, *, one: bool):
     return params, opt
 
 
-def case_one_launch_matches_loop(device, cls, monkeypatch):
+def case_one_launch_matches_loop(device, cls, monkeypatch, programs: int | None = None):
     """``NONANS_TRITON_ONE_LAUNCH=1`` (kernels/scalar_one.py): the default "repair" step in one launch matches
     impl="loop" — parameters, state, every Resolution tensor, the events — and the three-launch path bit for
-    bit, and leaves its scratch zeroed for the next step."""
+    bit, and leaves its scratch zeroed for the next step. ``programs``: that many programs, each looping over
+    blocks (``scalar_step_one_(programs=...)``; two for the eight or nine blocks here)."""
     from nonans_optim.kernels import scalar_one
 
     _force_triton(monkeypatch)
@@ -194,7 +195,7 @@ def case_one_launch_matches_loop(device, cls, monkeypatch):
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return real(*args, **kwargs)
+        return real(*args, **kwargs, **({} if programs is None else {"programs": programs}))
     monkeypatch.setattr(scalar_one, "scalar_step_one_", counted)
     ref, ref_opt = _one_launch_run(cls, "loop", device, monkeypatch, one=True)
     three, three_opt = _one_launch_run(cls, "fused", device, monkeypatch, one=False)
@@ -322,9 +323,10 @@ def _define(device, marks=()):
         case_skip_holds_as_the_loop_does(device, cls, monkeypatch)
 
     @mark
+    @pytest.mark.parametrize("programs", [None, 2], ids=["per-block", "looping"])
     @ADAMW_FAMILY
-    def test_one_launch_matches_loop(cls, monkeypatch):
-        case_one_launch_matches_loop(device, cls, monkeypatch)
+    def test_one_launch_matches_loop(cls, programs, monkeypatch):
+        case_one_launch_matches_loop(device, cls, monkeypatch, programs)
 
     @mark
     def test_one_launch_failure_falls_back(monkeypatch):
