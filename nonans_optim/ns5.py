@@ -182,7 +182,7 @@ def iterate_reference(X: torch.Tensor, coefficients: Sequence[tuple[float, float
 
 def _resolve_backend(backend: str, device: torch.device, shape: tuple[int, ...]) -> str:
     if backend not in switches.NS5_BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        raise ValueError(f"backend must be one of {', '.join(map(repr, switches.NS5_BACKENDS))}, got {backend!r}")
     if backend == "auto":
         backend = switches.ns5_backend()
     if backend == "auto":

@@ -31,6 +31,12 @@ def test_hot_dtype_auto_never_returns_fp16(monkeypatch):
     assert hot_dtype("cpu", torch.float64) == torch.float64
 
 
+@pytest.mark.parametrize("bad", ["cuda", "Triton", ""])
+def test_unknown_backend_names_the_choices(bad):
+    with pytest.raises(ValueError, match=re.escape(f"backend must be one of 'auto', 'torch', 'triton', got {bad!r}")):
+        ns5(torch.randn(3, 3), backend=bad)
+
+
 @pytest.mark.parametrize("bad", ["fp8", "half", "FP32", ""])
 def test_unknown_hot_dtype_names_the_value(bad):
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
