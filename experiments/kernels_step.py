@@ -177,20 +177,29 @@ def bench_block_sweep(timer: Callable, device: torch.device, numel: int, log: Ca
     return rows
 
 
-def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
-    """The sweep's table for the kernels section (lines; none without rows)."""
+def _table(rows: list[dict[str, Any]], intro: Callable[[dict], str], columns: tuple[str, ...],
+           cells: Callable[[dict], tuple[str, ...]]) -> list[str]:
+    """A markdown table for the kernels section: ``intro(first row)``, then one line of ``cells(row)`` per row
+    (lines; none without rows)."""
     if not rows:
         return []
-    r0 = rows[0]
-    lines = [f"\nLaunch shape of the fused AdamW step (`experiments/kernels_step.py`; {r0['tensors']} fp32 tensors, "
-             f"{r0['numel']:,} entries; the default shape is the first row; GPU µs from torch.profiler):\n",
-             "| entries per block × warps | repair ms | off ms | repair / off | GPU µs repair | GPU µs off |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        gpu = [f"{r[k]:.0f}" if r.get(k) is not None else "—" for k in ("repair_device_us", "off_device_us")]
-        lines.append(f"| {r['block']} × {r['warps']} | {r['repair_ms']:.3f} | {r['off_ms']:.3f} | "
-                     f"{r['repair_vs_off']:.2f} | {gpu[0]} | {gpu[1]} |")
-    return lines
+    return [intro(rows[0]), f"| {' | '.join(columns)} |", "|" + "---|" * len(columns),
+            *(f"| {' | '.join(cells(r))} |" for r in rows)]
+
+
+def _us(value: float | None) -> str:
+    return f"{value:.0f}" if value is not None else "—"
+
+
+def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
+    """The sweep's table for the kernels section (lines; none without rows)."""
+    return _table(
+        rows, lambda r0: (f"\nLaunch shape of the fused AdamW step (`experiments/kernels_step.py`; {r0['tensors']} "
+                          f"fp32 tensors, {r0['numel']:,} entries; the default shape is the first row; GPU µs from "
+                          "torch.profiler):\n"),
+        ("entries per block × warps", "repair ms", "off ms", "repair / off", "GPU µs repair", "GPU µs off"),
+        lambda r: (f"{r['block']} × {r['warps']}", f"{r['repair_ms']:.3f}", f"{r['off_ms']:.3f}",
+                   f"{r['repair_vs_off']:.2f}", _us(r.get("repair_device_us")), _us(r.get("off_device_us"))))
 
 
 def bench_one_launch_ablation(timer: Callable, device: torch.device, numel: int, log: Callable,
@@ -231,17 +240,13 @@ def bench_one_launch_ablation(timer: Callable, device: torch.device, numel: int,
 
 def render_ablation(rows: list[dict[str, Any]]) -> list[str]:
     """The ablation's table for the kernels section (lines; none without rows)."""
-    if not rows:
-        return []
-    r0 = rows[0]
-    lines = [f"\nThe one-launch \"repair\" kernel's per-program cost, by suspect (`kernels/scalar_one.py::ABLATIONS`, "
-             f"timing-only variants, each removing one, then its programs looping over blocks; {r0['tensors']} fp32 "
-             f"tensors, {r0['numel']:,} entries; GPU µs from torch.profiler):\n",
-             "| entries per block × warps | variant | ms | GPU µs |", "|---|---|---|---|"]
-    for r in rows:
-        gpu = f"{r['device_us']:.0f}" if r.get("device_us") is not None else "—"
-        lines.append(f"| {r['block']} × {r['warps']} | {r['variant']} | {r['ms']:.3f} | {gpu} |")
-    return lines
+    return _table(
+        rows, lambda r0: ("\nThe one-launch \"repair\" kernel's per-program cost, by suspect "
+                          "(`kernels/scalar_one.py::ABLATIONS`, timing-only variants, each removing one, then its "
+                          f"programs looping over blocks; {r0['tensors']} fp32 tensors, {r0['numel']:,} entries; GPU "
+                          "µs from torch.profiler):\n"),
+        ("entries per block × warps", "variant", "ms", "GPU µs"),
+        lambda r: (f"{r['block']} × {r['warps']}", r["variant"], f"{r['ms']:.3f}", _us(r.get("device_us"))))
 
 
 def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, profile: Callable | None = None,
@@ -276,15 +281,13 @@ def bench_spectral_step(timer: Callable, device: torch.device, log: Callable, pr
 
 def render_spectral_step(rows: list[dict[str, Any]]) -> list[str]:
     """The spectral fused step's table for the kernels section (lines; none without rows)."""
-    if not rows:
-        return []
-    r0 = rows[0]
-    lines = [f"\nThe spectral fused step (`experiments/kernels_step.py`; {r0['matrices']} fp32 parameters of "
-             f"{r0['shape'][0]}×{r0['shape'][1]}, KL-Shampoo stacked): wall ms per step and, from torch.profiler, "
-             "GPU µs per step by kernel (the five largest):\n",
-             "| optimizer | policy | wall ms | GPU µs total | kernels (µs) |", "|---|---|---|---|---|"]
-    for r in rows:
+    def cells(r: dict) -> tuple[str, ...]:
         per = r.get("device_us")
-        gpu = f"{per['total']:.0f} | {_top_kernels(per)}" if per else "— | —"
-        lines.append(f"| {r['optimizer']} | {r['policy']} | {r['ms']:.3f} | {gpu} |")
-    return lines
+        return (r["optimizer"], r["policy"], f"{r['ms']:.3f}", *((f"{per['total']:.0f}", _top_kernels(per)) if per
+                                                                  else ("—", "—")))
+
+    return _table(
+        rows, lambda r0: (f"\nThe spectral fused step (`experiments/kernels_step.py`; {r0['matrices']} fp32 "
+                          f"parameters of {r0['shape'][0]}×{r0['shape'][1]}, KL-Shampoo stacked): wall ms per step "
+                          "and, from torch.profiler, GPU µs per step by kernel (the five largest):\n"),
+        ("optimizer", "policy", "wall ms", "GPU µs total", "kernels (µs)"), cells)
