@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_near, assert_resolution_matches  # noqa: E402
-from test_kernels_spectral_step import _force_triton, _run_wide  # noqa: E402
+from spectral_step_cases import _force_triton, _run_wide  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()

@@ -18,7 +18,7 @@ import torch
 import nonans_optim as no
 from nonans_optim.functional import kl_shampoo as kl
 from optim_infos import assert_params_and_state_near, floating_pairs, gap_and_scale
-from test_kernels_spectral_step import KL_ROUNDING, SQUARE, _run_wide
+from spectral_step_cases import KL_ROUNDING, SQUARE, _run_wide
 
 CASES = [("repair", 10.0), ("skip", None)]  # test_kl_batched_matches_loop's
 
