@@ -274,7 +274,7 @@ def case_launch_failure_falls_back(device, kernel, cls, monkeypatch):
     it does not cover: "foreach"), matching impl="loop"."""
     from nonans_optim.kernels import spectral_step as k
     from nonans_optim.optimizers import _fused_triton
-    from test_kernels_scalar_step import break_kernel
+    from triton_launches import break_kernel
 
     monkeypatch.setattr(_fused_triton, "_COMPILED", set())
     break_kernel(monkeypatch, k, kernel)

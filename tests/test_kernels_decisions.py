@@ -139,7 +139,7 @@ def case_one_launch_fewer_per_group(device, monkeypatch):
     """What "repair" adds to "off" on the host, folded: the one statistics-and-decide launch and the record
     (two launches apart before: statistics, decide) — for the spectral path and the AdamW path with the guard,
     each a group of its own in one optimizer (SF-NorMuon's own param_groups: spectral and scalar)."""
-    from test_kernels_scalar_step import step_launches
+    from triton_launches import step_launches
 
     _force_triton(monkeypatch)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The multi-tensor Triton (SF-)AdamW step wired into ``impl="fused"``, in three launches
 (``kernels/scalar_step.py``) and in one (``kernels/scalar_one.py``, the default "repair" step): against
 ``impl="loop"``, its fallbacks, its launch counts. Split from ``test_kernels_scalar_step.py`` (the kernels
-against their oracle), whose helpers it imports.
+against their oracle); the launch helpers both use are in ``triton_launches.py``.
 
 Same two-faced layout as ``test_kernels_scalar_step.py``: a normal run re-runs this file under
 ``TRITON_INTERPRET=1`` in a subprocess (on the CPU, with ``NONANS_FUSED_BACKEND=triton`` so the optimizer
@@ -38,8 +38,7 @@ import nonans_optim as no  # noqa: E402
 from optim_infos import (assert_params_and_state_close, assert_resolution_matches,  # noqa: E402
                          assert_skip_holds_as_the_loop_does, event_tuples)
 from test_fused import _run  # noqa: E402  (its fault sequence, on any device)
-from test_kernels_scalar_step import (break_kernel, count_launches, step_launches,  # noqa: E402
-                                      steps_never_sync)
+from triton_launches import break_kernel, count_launches, step_launches, steps_never_sync  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()

@@ -13,12 +13,11 @@ Pinned down:
 
 The step wired into ``impl="fused"`` (against ``impl="loop"``, its fallback, the one-launch step, the launch
 counts, no host synchronisation) is tested in ``test_kernels_scalar_one.py``, split from this file; the
-helpers that file and ``test_kernels_spectral_step.py`` use (``break_kernel``, ``steps_never_sync``,
-``count_launches``, ``step_launches``) stay here.
+helpers both use (``break_kernel``, ``steps_never_sync``, ``count_launches``, ``step_launches``) are in
+``triton_launches.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -260,35 +259,6 @@ def case_z_overflow_alone(device):
     assert dense[0, 3].tolist() == [0, 1] and int(dense.sum()) == 1  # the update stage: one overflow
 
 
-def break_kernel(monkeypatch, module, name: str) -> None:
-    """Make ``module.name`` fail at launch as a compile error on another Triton version would, on the
-    Triton backend, with this process's record of earlier failures cleared."""
-    from nonans_optim.optimizers import _fused_triton
-
-    class Broken:
-        def __getitem__(self, grid):
-            return self.warmup
-
-        def warmup(self, *args, **kwargs):
-            raise RuntimeError("simulated compile failure")
-
-    monkeypatch.setenv("NONANS_FUSED_BACKEND", "triton")
-    monkeypatch.setattr(_fused_triton, "_FAILED", [])
-    monkeypatch.setattr(module, name, Broken())
-
-
-def steps_never_sync(opt, params, steps: int = 3) -> None:
-    """Step ``opt`` on fresh CUDA gradients with host synchronisation made an error."""
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-
 def _define(device, marks=()):
     mark = marker(marks)
 
@@ -331,69 +301,6 @@ def _define(device, marks=()):
     return (test_kernel_matches_oracle, test_unaligned_views, test_fp16_overflow_as_stored,
             test_recent_from_the_counters, test_guard_scale_floor, test_z_overflow_alone,
             test_zero_gradient_leaves_the_guard_ema)
-
-
-# ops that launch nothing on a GPU (allocation, views, metadata)
-_NO_LAUNCH = ("aten.empty", "aten.new_empty", "aten.empty_strided", "aten.view", "aten._to_copy", "aten.detach",
-              "aten.select", "aten.slice", "aten.alias", "aten.lift_fresh", "aten.unsqueeze", "aten.expand",
-              "aten.as_strided", "aten.reshape", "aten._unsafe_view", "aten.t.", "profiler.")
-
-
-@contextlib.contextmanager
-def count_launches(monkeypatch):
-    """(Triton launches by kernel name, torch ops issued outside them) while the block runs, under the
-    interpreter — both Counters, cleared by the caller between the steps it compares. Ops the interpreter
-    itself issues while it runs a kernel, and ops that launch nothing on a GPU, are not counted."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime import interpreter
-
-    launches, inside = Counter(), []
-    real = interpreter.InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        launches[self.fn.__name__] += 1
-        inside.append(1)
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            inside.pop()
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)
-            if not inside and not name.startswith(_NO_LAUNCH):
-                self.ops[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as mode:
-        yield launches, mode.ops
-
-
-def step_launches(monkeypatch, opt, params) -> dict:
-    """{policy: (torch ops, Triton launches)} of one step of ``opt`` under "repair" and under "off": one
-    optimizer whose policy is switched (its first steps, which build the state and the count block, are
-    not counted)."""
-    from collections import Counter
-
-    seen = {}
-    with count_launches(monkeypatch) as (launches, ops):
-        for policy in ("repair", "off", "repair"):
-            opt.resolution_policy = policy
-            for q in params:
-                q.grad = torch.randn_like(q)
-            opt.step()
-            launches.clear()
-            ops.clear()
-            opt.step()
-            seen[policy] = (Counter(ops), Counter(launches))
-    return seen
 
 
 def case_supported_takes_one_dtype_contiguous_group(device):

@@ -59,7 +59,7 @@ def case_repair_adds_only_the_decision_launches(monkeypatch):
     current RESULTS.md table measures the fused default)."""
     from collections import Counter
 
-    from test_kernels_scalar_step import step_launches
+    from triton_launches import step_launches
 
     _force_triton(monkeypatch)
     params = [torch.nn.Parameter(torch.randn(s)) for s in ((16, 24), (16, 24), (30, 8))]
@@ -224,6 +224,6 @@ else:
         params = [torch.randn(300, 70, device="cuda", requires_grad=True),  # (a same-shape pair: FullFusion's
                   torch.randn(64, 64, device="cuda", requires_grad=True),  # KL-Shampoo runs it as a stack)
                   torch.randn(64, 64, device="cuda", requires_grad=True)]
-        from test_kernels_scalar_step import steps_never_sync
+        from triton_launches import steps_never_sync
 
         steps_never_sync(cls([{"params": params, "path": "spectral"}], lr=1e-2, impl="fused"), params)
