@@ -8,28 +8,14 @@ from hypothesis import settings
 sys.path.insert(0, os.path.dirname(__file__))  # tests/optim_infos.py, tests/interpreted.py
 from interpreted import SHARD_ENV, shard_of  # noqa: E402 (found through the line above)
 from interpreter_patches import share_language_patches  # noqa: E402
+from mkl_vml import settle_mkl_vml  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # an interpreter subprocess (tests/interpreted.py)
     share_language_patches()  # up to 2x faster interpreter suites; see tests/interpreter_patches.py
 # Experiments log to wandb offline whenever it is installed; the tests check results, not logging.
 os.environ.setdefault("NONANS_WANDB", "0")
 
-# torch's CPU unary float ops on contiguous tensors (sqrt, exp, log, ...) call MKL's VML per chunk of an
-# intra-op parallel_for (grain 2048, aten/src/ATen/cpu/vml.h), and oneMKL 2024.2 — the version in torch
-# 2.13's CPU wheels — picks each VML function's kernel lazily on its first call: when that first call runs on
-# two threads at once, one thread can run a low-accuracy kernel over its whole chunk, once (pytorch/pytorch
-# issue 188792; fix proposed in pull request 188791, a one-element call per function before any concurrent
-# use). Here it made the impl="loop" ground truth wrong, not the code under test: AdamW's first
-# (v / bc2).sqrt_() over a 2800-entry parameter came back with relative errors up to 3.1e-4 in its second
-# half (entries 1400-2799, the worker thread's chunk), so tests/test_kernels_scalar_one.py's
-# test_optimizer_matches_loop[AdamW-repair] failed about one run in eight of its interpreter shard (33 entries
-# past atol 1e-6; caught by a dispatch-mode spy on the loop's first step, 2026-11-27). One call of each
-# function on one entry, on this thread, before any test, settles the choice.
-_MKL_VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin",
-                "sqrt", "tan", "tanh", "trunc")
-for _dtype in (torch.float32, torch.float64):
-    for _op in _MKL_VML_OPS:
-        getattr(torch, _op)(torch.full((1,), 0.5, dtype=_dtype))
+settle_mkl_vml()  # before any test: see tests/mkl_vml.py (a flaky ground truth otherwise)
 
 # Hypothesis draws the same examples on every run ("deterministic", the default): a suite whose verdict
 # depends on the draw is not a contract a fresh machine (or CI) can keep. To search new examples while

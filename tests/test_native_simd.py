@@ -49,6 +49,8 @@ CASES += [("AdamW", "repair", 1, {"spike_factor": None}), ("SFAdamW", "repair", 
 
 _DUMP = r"""
 import ast, sys, torch
+from mkl_vml import settle_mkl_vml
+settle_mkl_vml()  # two processes' results compared bit for bit: see tests/mkl_vml.py
 import nonans_optim as no
 from nonans_optim import native
 from test_fused import _run
