@@ -9,8 +9,9 @@ threads at once, one thread can run a low-accuracy kernel over its whole chunk, 
 Here it made the impl="loop" ground truth wrong, not the code under test: AdamW's first (v / bc2).sqrt_()
 over a 2800-entry parameter came back with relative errors up to 3.1e-4 in its second half (entries
 1400-2799, the worker thread's chunk), so tests/test_kernels_scalar_one.py's
-test_optimizer_matches_loop[AdamW-repair] failed about one run in eight of its interpreter shard (33 entries
-past atol 1e-6; caught by a dispatch-mode spy on the loop's first step, 2026-11-27). One call of each
+test_optimizer_matches_loop[AdamW-repair] failed after test_repair_adds_only_the_resolution_launches, as its
+interpreter shard runs them, in 6 of 50 runs (and a copy of the pair in 9 of 55; 0 of 40 with this settling):
+33 entries past atol 1e-6, caught by a dispatch-mode spy on the loop's first step, 2026-11-27. One call of each
 function on one entry, on the calling thread, settles the choice: tests/conftest.py calls it at import (so
 every pytest process, the interpreter suites' too), and scripts a test runs in a fresh interpreter whose
 results it compares bit for bit call it first.
