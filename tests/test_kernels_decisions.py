@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches, same_tree  # noqa: E402
-from test_kernels_scalar_one import _shapes  # noqa: E402
+from scalar_one_cases import _shapes  # noqa: E402
 from spectral_step_cases import _run_wide  # noqa: E402
 from test_kernels_step_size import _force_triton  # noqa: E402  (both paths' Triton kernels, no fallback)
 

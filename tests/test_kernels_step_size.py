@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
-from test_kernels_scalar_one import _force_triton as force_scalar_triton  # noqa: E402
+from scalar_one_cases import _force_triton as force_scalar_triton  # noqa: E402
 from spectral_step_cases import _force_triton as force_spectral_triton  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
