@@ -15,7 +15,6 @@ from test_fused import _run  # (its fault sequence, on any device)
 from triton_launches import break_kernel, count_launches, step_launches
 
 
-
 def case_lazy_decisions_read_only_what_can_be_held(device):
     """Under "repair" without the guard no statistics launch runs: the decide kernel reads a tensor only
     when it can be held (a recent event and a non-finite first entry), block by block until a finite entry.
