@@ -97,6 +97,7 @@ MAXNREG = 80
 # Bits (written as literals in the kernel: the interpreter cannot combine an int with a constexpr global):
 # 1, the ticket a relaxed atomic (no fence); 2, no hold-rule prologue (no tensor a candidate).
 RELAXED_TICKET, NO_PROLOGUE = 1, 2
+_ABLATE_BITS = RELAXED_TICKET | NO_PROLOGUE
 # name -> (ablate bits, register limit): the shipped kernel first
 ABLATIONS: dict[str, tuple[int, int | None]] = {
     "as shipped": (0, MAXNREG),
@@ -214,8 +215,8 @@ def scalar_step_one_(params, grads, ms, vs, zs, gamma, bcs, hp, *, sf: bool, dec
     (:func:`scratch_size`), zero on entry and left zero. Nothing is read back to the host. ``programs``: at
     most that many programs, each looping over blocks (None: one per block, the library's launch). ``ablate``
     and ``maxnreg``: the timing-only variants of :data:`ABLATIONS` (the library passes neither)."""
-    if ablate not in (0, 1, 2, 3):
-        raise ValueError(f"ablate takes the bits of ABLATIONS (0-3), got {ablate!r}")
+    if isinstance(ablate, bool) or not isinstance(ablate, int) or ablate < 0 or ablate & ~_ABLATE_BITS:
+        raise ValueError(f"ablate takes the bits of ABLATIONS (0-{_ABLATE_BITS}), got {ablate!r}")
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs must be a positive int or None, got {programs!r}")
     launch = group_launch(params, grads, zs if sf else ms, vs)
