@@ -248,10 +248,10 @@ def test_one_launch_kernel(param):
                  SCRATCH="*i32", n="i32", nblocks="i32", nprog="i32", COUNTS="*i64", RING_COUNTS="*i64",
                  RING_STEP="*i64", RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64",
                  RES_NUMEL="*i64", step="i64", P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
+    shipped = dict(TY=ty, SF=False, DECAY_Z=False, ALIGNED=True, EMULATE=False, BLOCK=2048, S=6, S_PAD=8, LOSS=4,
+                   GRAD=0, BLOCK_P=BLOCK_P, ABLATE=0, LOOP=False)
     for sf, decay_z in ((False, False), (True, False), (True, True)):
-        compiled = compile_for_hopper(_one_launch_kernel, types,
-                                      dict(TY=ty, SF=sf, DECAY_Z=decay_z, ALIGNED=True, EMULATE=False, BLOCK=2048,
-                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, ABLATE=0, LOOP=False),
+        compiled = compile_for_hopper(_one_launch_kernel, types, {**shipped, "SF": sf, "DECAY_Z": decay_z},
                                       num_warps=8, enable_fp_fusion=False, maxnreg=MAXNREG)
         _binary_ok(compiled)
         ptx = compiled.asm["ptx"]
@@ -261,18 +261,14 @@ def test_one_launch_kernel(param):
         assert "fma.rn.f32" not in ptx, "no contraction: clean repair must equal off"
         assert re.search(r"st\.global(\.\w+)*\.v[24]", ptx), "full blocks: vector stores"
     if param == "fp32":  # the timing-only variants (scalar_one.ABLATIONS) compile too: no fence, no prologue
-        compiled = compile_for_hopper(_one_launch_kernel, types,
-                                      dict(TY=ty, SF=False, DECAY_Z=False, ALIGNED=True, EMULATE=False, BLOCK=2048,
-                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, ABLATE=3, LOOP=False),
-                                      num_warps=8, enable_fp_fusion=False)
+        compiled = compile_for_hopper(_one_launch_kernel, types, {**shipped, "ABLATE": 3}, num_warps=8,
+                                      enable_fp_fusion=False)
         _binary_ok(compiled)
         ptx = compiled.asm["ptx"]  # the ticket relaxed; (the counts' atomics, on a faulty block only, stay acq_rel)
         assert re.search(r"atom(\.\w+)*\.relaxed\.add\.u32", ptx) and not re.search(r"acq_rel\.add\.u32", ptx)
         # programs looping over blocks (scalar_step_one_(programs=...)): the same ticket, under the same limit
-        compiled = compile_for_hopper(_one_launch_kernel, types,
-                                      dict(TY=ty, SF=False, DECAY_Z=False, ALIGNED=True, EMULATE=False, BLOCK=2048,
-                                           S=6, S_PAD=8, LOSS=4, GRAD=0, BLOCK_P=BLOCK_P, ABLATE=0, LOOP=True),
-                                      num_warps=8, enable_fp_fusion=False, maxnreg=MAXNREG)
+        compiled = compile_for_hopper(_one_launch_kernel, types, {**shipped, "LOOP": True}, num_warps=8,
+                                      enable_fp_fusion=False, maxnreg=MAXNREG)
         _binary_ok(compiled)
         assert re.search(r"atom(\.\w+)*\.gpu\.acq_rel\.add\.u32", compiled.asm["ptx"])
 
