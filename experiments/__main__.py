@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bf16-cpu": ("experiments.bf16_cpu", "a bf16 model's (SF-)AdamW step on CPU: ours off/repair vs torch (issue 3)"),
     "op-count": ("experiments.op_count", "torch ops per clean step under repair vs off, eager paths (issue 3)"),
     "sync-audit": ("experiments.sync_audit", "host syncs and kernel launches of each optimizer's CUDA step (issue 3)"),
+    "compile-time": ("experiments.compile_time", "first step of impl='compiled': torch.compile time, cold and warm"),
     "render": ("experiments.render", "render results/*.json into RESULTS.md and OPEN_QUESTIONS.md"),
 }
 

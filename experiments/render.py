@@ -49,6 +49,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     # the default optimizers under the one-launch step, beside the full table measured before it was the default
     "overhead-gpu-one-launch": ("overhead_cuda_one_launch.json", "experiments.overhead_render:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
+    "compile-time": ("compile_time.json", "experiments.compile_time:render"),
     "spikes": ("spikes.json", "experiments.spikes:render"),
     "momentum-dtype": ("momentum_dtype.json", "experiments.momentum_dtype:render"),
     "ns5-method": ("ns5_method.json", "experiments.ns5_method:render"),
