@@ -232,9 +232,11 @@ def _compiled_kernel(sf: bool, policy: str, factor: float | None, dtype: torch.d
     (8) counts per code object, and a process that steps fp32, bf16 and fp16 models (the test suite does)
     used to exhaust it, which turns compiled paths off for the rest of the process.
 
-    The spike factor is a constant of the graph, so each value compiles once (seconds); the cache is
-    bounded, because a run that kept changing ``spike_factor`` kept every graph for the life of the
-    process (the memory audit, 2026-11-26: six values, seven graphs, +8 MiB after ``del opt``)."""
+    The spike factor is a constant of the graph, so each value compiles once — about a second per tensor of
+    the group on an empty inductor cache, as every graph here spans the whole group (``python -m experiments
+    compile-time``, RESULTS.md: 0.7-1.2 s added per tensor on 2 cores); the cache is bounded, because a run
+    that kept changing ``spike_factor`` kept every graph for the life of the process (the memory audit,
+    2026-11-26: six values, seven graphs, +8 MiB after ``del opt``)."""
     name = f"_group_kernel_{'sf' if sf else 'adamw'}_{policy}_{str(dtype).replace('torch.', '')}"
     return functools.partial(compiled(_group_kernel, name), sf=sf, policy=policy, factor=factor)
 
