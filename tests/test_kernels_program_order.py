@@ -28,7 +28,7 @@ ORDERS = ["reversed", "shuffled"]
 
 if INTERPRETED:
     from interpreter_patches import programs_in_order
-    from test_kernels_decisions import case_folded_decisions_equal_two_launches, case_folded_run_equals_two_launch_run
+    from decisions_cases import case_folded_decisions_equal_two_launches, case_folded_run_equals_two_launch_run
     from scalar_one_cases import case_one_launch_matches_loop
 
     pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -23,20 +23,12 @@ pytest.importorskip("triton")
 
 import nonans_optim as no  # noqa: E402
 from optim_infos import assert_params_and_state_close, assert_resolution_matches  # noqa: E402
-from scalar_one_cases import _force_triton as force_scalar_triton  # noqa: E402
-from spectral_step_cases import _force_triton as force_spectral_triton  # noqa: E402
+from triton_launches import force_triton_paths  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 SHAPES = [(24, 40), (40,), (16, 24)]  # matrices (the spectral path) and a vector (the AdamW path)
 BAD_STEPS = (2, 3)  # the lr is ``value`` on these steps of five, finite again on the last
-
-
-def _force_triton(monkeypatch):
-    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled", on the
-    (SF-)AdamW path and the spectral one (each suite's own helper)."""
-    force_scalar_triton(monkeypatch)
-    force_spectral_triton(monkeypatch)
 
 
 def _run(cls, impl: str, policy: str, value: float, device: str):
@@ -60,7 +52,7 @@ def _run(cls, impl: str, policy: str, value: float, device: str):
 def case_nonfinite_step_size(device, cls, one, policy, value, monkeypatch):
     """Every parameter kept on both bad steps (one "update" event each, nothing else counted), the state
     finite, the run equal to impl="loop" (parameters, state, counters, events), stepping again after."""
-    _force_triton(monkeypatch)
+    force_triton_paths(monkeypatch)
     monkeypatch.setenv("NONANS_TRITON_ONE_LAUNCH", one)
     ref, ref_opt, _ = _run(cls, "loop", policy, value, device)
     got, got_opt, before = _run(cls, "fused", policy, value, device)

@@ -1,12 +1,24 @@
 """Helpers of the Triton kernel tests for launches: a kernel made to fail at launch (``break_kernel``), steps
 with host synchronisation made an error (``steps_never_sync``), and the launches and torch ops of a step
-counted under the interpreter (``count_launches``, ``step_launches``). Moved from
-``test_kernels_scalar_step.py``, whose neighbours imported them from a test module."""
+counted under the interpreter (``count_launches``, ``step_launches``), and both paths held to their Triton
+kernels (``force_triton_paths``). Moved from ``test_kernels_scalar_step.py`` and ``test_kernels_step_size.py``,
+whose neighbours imported them from a test module."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+
+def force_triton_paths(monkeypatch) -> None:
+    """impl="fused" on the Triton kernels, failing instead of falling back to impl="compiled", on the
+    (SF-)AdamW path and the spectral one (each suite's own helper; imported here, not at the top, because
+    those case modules import this one)."""
+    from scalar_one_cases import _force_triton as force_scalar_triton
+    from spectral_step_cases import _force_triton as force_spectral_triton
+
+    force_scalar_triton(monkeypatch)
+    force_spectral_triton(monkeypatch)
 
 
 def break_kernel(monkeypatch, module, name: str) -> None:
