@@ -32,6 +32,7 @@ from typing import Any
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "compile_time.json"
 OPTIMIZERS = ("AdamW", "SFAdamW", "SFNorMuon", "FullFusion")
+CHILD_TIMEOUT_S = 3600  # generous (a cold compile adds about a second per tensor); a hung child must not hang the run
 SECTION, TITLE = "compile-time", "First step of impl=\"compiled\": torch.compile time, cold and warm cache"
 
 
@@ -72,7 +73,8 @@ def _run_child(model: str, optimizer: str, cache: str, later: int, threads: int)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
     proc = subprocess.run([sys.executable, "-m", "experiments.compile_time", "--child", model, optimizer,
                            "--later", str(later), "--threads", str(threads)],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True)
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"{model} / {optimizer}: the child process failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     models = ["toy"] if args.quick else [m for m in args.models.split(",") if m]
     optimizers = ["AdamW"] if args.quick else [o for o in args.optimizers.split(",") if o]
+    if args.later < 1:
+        ap.error(f"--later must be at least 1 (the steps timed after the first), got {args.later}")
     unknown = sorted(set(optimizers) - set(OPTIMIZERS))
     if unknown:
         ap.error(f"unknown optimizer(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")

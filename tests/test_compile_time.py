@@ -45,7 +45,8 @@ def test_render_reports_every_row_and_the_per_tensor_range():
     assert "measured 2026-11-27T00:00:00 at commit abc1234 on Some CPU" in text
 
 
-@pytest.mark.parametrize("argv, name", [(["--optimizers", "Adam"], "Adam"), (["--models", "gpt9"], "gpt9")])
+@pytest.mark.parametrize("argv, name", [(["--optimizers", "Adam"], "Adam"), (["--models", "gpt9"], "gpt9"),
+                                        (["--later", "0"], "--later")])
 def test_unknown_names_are_refused(argv, name, capsys):
     with pytest.raises(SystemExit) as exc:
         compile_time.main(argv + ["--results-md", ""])
