@@ -139,17 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads in each process")
     ap.add_argument("--quick", action="store_true", help="a one-layer toy model and AdamW only (for tests)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--results-md", default="RESULTS.md", help="section to update ('' to skip)")
-    ap.add_argument("--render-only", action="store_true", help="re-render RESULTS.md from --out")
+    ap.add_argument("--results-md", default="RESULTS.md", help="section to update ('' to skip; `python -m "
+                    "experiments render` re-renders it from the JSON)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "OPTIMIZER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, args.later, args.threads)))
-        return 0
-    from experiments.questions_io import replace_section
-
-    if args.render_only:
-        replace_section(Path(args.results_md), SECTION, render(json.loads(args.out.read_text())), title=TITLE)
         return 0
     models = ["toy"] if args.quick else [m for m in args.models.split(",") if m]
     optimizers = ["AdamW"] if args.quick else [o for o in args.optimizers.split(",") if o]
@@ -162,20 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted(set(models) - set(MODELS) - {"quick", "toy"})
     if bad:
         ap.error(f"unknown model(s) {bad}; choose from quick, {', '.join(MODELS)}")
-    import torch
-
+    from experiments.questions_io import publish
     from experiments.watch_overhead import machine
 
     rows = run(models, optimizers, args.later, args.threads)
-    info = dict(machine(), torch_threads=args.threads)
+    info = dict(machine(), torch_threads=args.threads)  # (machine() names the torch version too)
     cmd = " ".join(["python -m experiments compile-time", *(argv if argv is not None else sys.argv[1:])]).strip()
-    result = {"experiment": "compile_time", "command": cmd, "machine": info, "torch": torch.__version__,
+    result = {"experiment": "compile_time", "command": cmd, "machine": info,
               "settings": {"models": models, "optimizers": optimizers, "later": args.later}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    publish(result, args.out, render(result), args.results_md, SECTION, TITLE)
     print(f"wrote {args.out}")
-    if args.results_md:
-        replace_section(Path(args.results_md), SECTION, render(result), title=TITLE)
     return 0
 
 
