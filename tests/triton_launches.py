@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from optim_infos import no_host_sync
 
 
 def force_triton_paths(monkeypatch) -> None:
@@ -43,11 +44,8 @@ def steps_never_sync(opt, params, steps: int = 3) -> None:
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn_like(p)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
 
 # ops that launch nothing on a GPU (allocation, views, metadata)
