@@ -48,6 +48,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
                                          "experiments.overhead_render:render"),
     # the default optimizers under the one-launch step, beside the full table measured before it was the default
     "overhead-gpu-one-launch": ("overhead_cuda_one_launch.json", "experiments.overhead_render:render"),
+    # the CPU table's command on an AMD EPYC (Zen 4), beside the Intel Xeon run: the CPU target's verdict for the
+    # AdamW family is within that table's noise and moved with the CPU (session notes, 2026-11-27)
+    "overhead-amd-epyc": ("overhead_amd_epyc.json", "experiments.overhead_render:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
     "compile-time": ("compile_time.json", "experiments.compile_time:render"),
     "spikes": ("spikes.json", "experiments.spikes:render"),
@@ -75,8 +78,9 @@ def _function(spec: str) -> Callable[[dict[str, Any]], str]:
     return getattr(importlib.import_module(module), name)
 
 
-# suffixes of a section that holds the same command's run under other defaults (a JSON does not know them)
-VARIANTS = ("-foreach", "-three-launch", "-one-launch", "-unfolded")
+# suffixes of a section that holds the same command's run under other defaults (a JSON does not know them) or
+# on another CPU (the JSON names its CPU, but the section a run replaces is chosen by its --out)
+VARIANTS = ("-foreach", "-three-launch", "-one-launch", "-unfolded", "-amd-epyc")
 
 
 def _base_section(section: str) -> str:
