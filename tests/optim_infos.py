@@ -72,6 +72,25 @@ class TinyNet(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.relu(self.norm(self.fc1(h))))))
 
 
+class SmallNet(nn.Module):
+    """TinyNet's routes in five tensors — an embedding (scalar by type), a conv kernel and two Linear weights
+    (spectral), a bias (scalar, 1-D) — with TinyNet's names for its Linear layers (``fc1``, ``fc2``) and its
+    inputs. For the tests that run ``impl="compiled"``: the group's update is one graph over every tensor of
+    the group, and inductor's cold compile grows by about a second per tensor of it on a 2-core CPU (RESULTS.md,
+    "First step of impl="compiled""), which made TinyNet's eleven tensors the bulk of a fresh CI run's compiles."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.conv = nn.Conv2d(1, 4, 3, bias=False)
+        self.fc1 = nn.Linear(8 + 4, 16, bias=False)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, tokens, img):
+        h = torch.cat([self.embed(tokens).mean(1), self.conv(img).mean((2, 3))], dim=1)
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
 class Wide(nn.Module):
     """Two Linear layers whose width changes every shape but not the number of parameter tensors."""
 
@@ -94,9 +113,10 @@ def steps_on(model, opt, n: int, seed: int = 0) -> None:
         opt.step()
 
 
-def make_model(seed: int = 0, dtype=torch.float32) -> TinyNet:
+def make_model(seed: int = 0, dtype=torch.float32, *, small: bool = False) -> nn.Module:
+    """TinyNet, or with ``small`` :class:`SmallNet` (for tests that compile), seeded and cast to ``dtype``."""
     torch.manual_seed(seed)
-    return TinyNet().to(dtype)
+    return (SmallNet() if small else TinyNet()).to(dtype)
 
 
 def make_batch(seed: int = 1, n: int = 32, dtype=torch.float32):

@@ -24,6 +24,21 @@ def test_routing_sends_embeddings_heads_and_1d_to_scalar_and_convs_to_spectral()
     assert {"embed.weight", "head.weight"} <= by_path["scalar"]
 
 
+def test_small_model_keeps_the_routes_the_compiled_tests_rely_on():
+    """optim_infos.SmallNet, which the tests that compile use instead of TinyNet: an embedding and a bias on
+    the scalar path, a conv kernel and both Linear weights on the spectral path, under both ways of naming."""
+    model = make_model(small=True)
+    by_path: dict[str, set[str]] = {}
+    for g in no.param_groups(model):  # two scalar groups: the embedding, and the bias without weight decay
+        by_path.setdefault(g["path"], set()).update(g["param_names"])
+    assert by_path == {"spectral": {"conv.weight", "fc1.weight", "fc2.weight"},
+                       "scalar": {"embed.weight", "fc2.bias"}}
+    opt = no.SFNorMuon(model.named_parameters())
+    train_steps(model, opt, 1)
+    assert all("momentum_buffer" in opt.state[p] for p in (model.conv.weight, model.fc1.weight, model.fc2.weight))
+    assert all("momentum_buffer" not in opt.state[p] for p in (model.embed.weight, model.fc2.bias))
+
+
 def test_route_sends_thin_matrices_to_scalar_and_matches_whole_name_parts():
     """route() on its own: a matrix with a side shorter than 2 (a one-output head, a 1×n projection) takes
     the scalar path as a vector does — NS5 of a rank-1 matrix is only its sign pattern; a conv kernel is
