@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from experiments.questions_io import ROOT, attach_baseline, checkout_commit, publish
 
-__all__ = ["VARIANTS", "compile_sm90", "resources", "blocks_per_sm", "run", "render", "main"]
+__all__ = ["VARIANTS", "ONE_LAUNCH_TYPES", "compile_sm90", "resources", "blocks_per_sm", "run", "render", "main"]
 
 # An H100/H200 SM (sm_90): what bounds the blocks resident at once
 _SM_REGS, _SM_THREADS, _SM_BLOCKS, _SM_SMEM = 65536, 2048, 32, 228 * 1024
@@ -98,6 +98,16 @@ def _scalar_update(sf: bool, gate: bool) -> tuple[Callable, dict, dict]:
                                          ALIGNED=True, EMULATE=False)
 
 
+# The one-launch step's arguments as its launch (kernels/scalar_one.py) passes them: the storage dtype is the
+# TY constexpr, so one signature serves fp32, bf16 and fp16 (tests/test_kernels_aot.py compiles all three).
+ONE_LAUNCH_TYPES = dict(
+    ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32", GAMMA="*fp32",
+    SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32", SCRATCH="*i32", n="i32",
+    nblocks="i32", nprog="i32", COUNTS="*i64", RING_COUNTS="*i64", RING_STEP="*i64", RING_ESC="*i1",
+    RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64", RES_NUMEL="*i64", step="i32", P="i32", K="i32",
+    backoff="fp32", min_scale="fp32", growth="i32")
+
+
 def _scalar_one(sf: bool, loop: bool = False) -> tuple[Callable, dict, dict, dict]:
     """The one-launch "repair" step (kernels/scalar_one.py): decisions, update and record in one kernel, with
     its launch's compile options; ``loop``: its programs looping over blocks."""
@@ -106,15 +116,10 @@ def _scalar_one(sf: bool, loop: bool = False) -> tuple[Callable, dict, dict, dic
     from nonans_optim.kernels.record import BLOCK_P
     from nonans_optim.resolution import STAGE_INDEX
 
-    types = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32",
-                 GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32",
-                 SCRATCH="*i32", n="i32", nblocks="i32", nprog="i32", COUNTS="*i64", RING_COUNTS="*i64",
-                 RING_STEP="*i64", RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64",
-                 RES_NUMEL="*i64", step="i32", P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
     constexprs = dict(TY=tl.float32, SF=sf, DECAY_Z=False, ALIGNED=True, EMULATE=False, S=k._S, S_PAD=k._S_PAD,
                       LOSS=STAGE_INDEX["loss"], GRAD=STAGE_INDEX["grad"], BLOCK_P=BLOCK_P, ABLATE=0,
                       LOOP=loop)
-    return k._one_launch_kernel, types, constexprs, dict(maxnreg=k.MAXNREG)
+    return k._one_launch_kernel, dict(ONE_LAUNCH_TYPES), constexprs, dict(maxnreg=k.MAXNREG)
 
 
 _DECISION_TYPES = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", SS="*fp64", BAD="*i32")

@@ -49,7 +49,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     # the default optimizers under the one-launch step, beside the full table measured before it was the default
     "overhead-gpu-one-launch": ("overhead_cuda_one_launch.json", "experiments.overhead_render:render"),
     # the CPU table's command on an AMD EPYC (Zen 4), beside the Intel Xeon run: the CPU target's verdict for the
-    # AdamW family is within that table's noise and moved with the CPU (session notes, 2026-11-27)
+    # AdamW family is within that table's noise (a scratch run on the same CPU split it the other way: session
+    # notes, 2026-11-27), so one CPU's run does not stand for another's
     "overhead-amd-epyc": ("overhead_amd_epyc.json", "experiments.overhead_render:render"),
     "watch": ("watch_overhead.json", "experiments.watch_overhead:render"),
     "compile-time": ("compile_time.json", "experiments.compile_time:render"),

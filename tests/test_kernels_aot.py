@@ -243,12 +243,9 @@ def test_one_launch_kernel(param):
     from nonans_optim.kernels.record import BLOCK_P
     from nonans_optim.kernels.scalar_one import MAXNREG, _one_launch_kernel
 
+    from experiments.kernel_static import ONE_LAUNCH_TYPES as types
+
     ty = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[param]
-    types = dict(ADDR="*i64", NUMEL="*i64", FIRST="*i64", BLOCK_TENSOR="*i32", BC="*fp32", HP="*fp32",
-                 GAMMA="*fp32", SCALE="*fp32", SEL="*i64", DENSE="*i64", STREAK="*i64", EVENTS="*i64", window="i32",
-                 SCRATCH="*i32", n="i32", nblocks="i32", nprog="i32", COUNTS="*i64", RING_COUNTS="*i64",
-                 RING_STEP="*i64", RING_ESC="*i1", RING_HELD="*i1", RING_PTR="*i64", ESCALATIONS="*i64",
-                 RES_NUMEL="*i64", step="i64", P="i32", K="i32", backoff="fp32", min_scale="fp32", growth="i32")
     shipped = dict(TY=ty, SF=False, DECAY_Z=False, ALIGNED=True, EMULATE=False, BLOCK=2048, S=6, S_PAD=8, LOSS=4,
                    GRAD=0, BLOCK_P=BLOCK_P, ABLATE=0, LOOP=False)
     for sf, decay_z in ((False, False), (True, False), (True, True)):
