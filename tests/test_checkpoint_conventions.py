@@ -2,7 +2,7 @@
 into a copy, from torch.optim.AdamW, from another model or another number of groups (refused before anything
 changes), load hooks, copies and pickles, 16- and 64-bit models resumed exactly — each case a defect an audit
 of the library found (2026-11-25 and after), and the behaviour now promised. The rest of the conventions:
-tests/test_conventions.py."""
+tests/test_conventions.py and tests/test_precision_conventions.py."""
 from __future__ import annotations
 
 import copy

@@ -176,7 +176,7 @@ def test_state_dict_of_another_optimizer_is_refused_before_anything_changes(src,
     load would swap the state in and fail with a KeyError at the next step(). Loading one's own kind
     continues; a checkpoint that has more state than needed (FullFusion's into SF-NorMuon) is accepted.
     What decides is the per-parameter state: group keys a checkpoint lacks come from the loading
-    optimizer (tests/test_conventions.py: torch.optim.AdamW's checkpoint into AdamW)."""
+    optimizer (tests/test_checkpoint_conventions.py: torch.optim.AdamW's checkpoint into AdamW)."""
     model = make_model()
     a, b = src.make(model.named_parameters()), dst.make(model.named_parameters())
     train_steps(model, a, 2)
