@@ -93,7 +93,7 @@ def case_kl_batched_matches_loop(device, policy, factor, monkeypatch):
     square matrices (full-rank factors from the first step, so the loop's QR bases are unique): a stack of
     three takes the guard's device-side scales as one product (the overflow at step 3 is a spike there) and
     holds a whole-NaN tensor, and still matches the loop; the stacks really ran."""
-    from test_fused_spectral import count_kl_stacks
+    from fused_spectral_checks import count_kl_stacks
 
     _force_triton(monkeypatch, kl_batched=True)
     stacks = count_kl_stacks(monkeypatch)
@@ -197,7 +197,7 @@ def case_bf16_buffer_and_ns5_input(device, cls, monkeypatch):
 def case_skip_keeps_kl_damping(device, monkeypatch):
     """KL-Shampoo's damping of a "skip" tensor with a bad entry is put back by a device-side select (the
     native loops decide it on the host), and grows on clean steps."""
-    from test_fused_spectral import check_skip_keeps_kl_damping
+    from fused_spectral_checks import check_skip_keeps_kl_damping
 
     _force_triton(monkeypatch)
     check_skip_keeps_kl_damping(device, shapes=[(16, 24), (16, 24), (30, 8)])  # small: the interpreter is slow
@@ -213,13 +213,13 @@ def case_held_keeps_kl_damping(device, monkeypatch):
 
 
 def case_direction_whose_squares_overflow(device, comps, policy, monkeypatch):
-    """test_fused_spectral.check_direction_whose_squares_overflow on these kernels: NS5's output scaled by
+    """fused_spectral_checks.check_direction_whose_squares_overflow on these kernels: NS5's output scaled by
     2^70 here and in the loop, and the direction side launched with ``bounded=False`` (the row kernel's WIDE:
     its float64 rare path for ‖Ô‖_F and the NorMuon moment-overflow gate, which only a direction that is not
     NS5's output needs) — parameters, state and counts those of the loop."""
     from nonans_optim.kernels import spectral_step as k
     from nonans_optim.optimizers import _fused_triton
-    from test_fused_spectral import check_direction_whose_squares_overflow, unbounded_loop
+    from fused_spectral_checks import check_direction_whose_squares_overflow, unbounded_loop
 
     _force_triton(monkeypatch)
     real_iterate, real_post = _fused_triton.iterate, k.spectral_post_
@@ -231,7 +231,7 @@ def case_direction_whose_squares_overflow(device, comps, policy, monkeypatch):
 
 def case_tensors_on_different_first_steps(device, monkeypatch):
     """MONA's "first step" is a per-tensor flag the host copies with the hyperparameters."""
-    from test_fused_spectral import check_tensors_on_different_first_steps
+    from fused_spectral_checks import check_tensors_on_different_first_steps
 
     _force_triton(monkeypatch)
     check_tensors_on_different_first_steps(device)

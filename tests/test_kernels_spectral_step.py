@@ -44,7 +44,7 @@ from spectral_step_cases import (CASES, IDS, _force_triton, case_auto_runs_the_t
                                  case_launch_failure_falls_back, case_optimizer_matches_loop,
                                  case_skip_keeps_kl_damping, case_tensors_on_different_first_steps,
                                  case_update_overflow_counts, case_wide_matrices_match_loop)
-from test_fused_spectral import OVERFLOW_DIRECTIONS, OVERFLOW_IDS  # noqa: E402
+from fused_spectral_checks import OVERFLOW_DIRECTIONS, OVERFLOW_IDS  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
