@@ -45,8 +45,9 @@ import torch
 
 from experiments.step_time import interleaved, run_child
 
-__all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer", "controls",
-           "fresh_controls", "over_builds", "overhead_pct", "spread", "switched", "render"]
+__all__ = ["BUILDS", "CONTROLLED", "PROCESSES", "QUICK_BUILDS", "QUICK_PROCESSES", "build_optimizer",
+           "builds_unresolved", "controls", "fresh_controls", "over_builds", "overhead_pct", "spread", "switched",
+           "render"]
 
 # The AdamW family's defaults, whose cost is the smallest share of their step; since 2026-11-26 the fused
 # spectral defaults: on an Intel Xeon their table rows met the target with upper quartiles of 1.047
@@ -68,6 +69,19 @@ def overhead_pct(ratio: float, limit: float) -> str:
     if text == f"{100 * (limit - 1):+.1f}%" and ratio != limit:
         text = f"{100 * (ratio - 1):+.2f}%"
     return text
+
+
+def builds_unresolved(row: dict[str, Any], limit: float) -> str:
+    """"builds' quartiles a–b: not resolved" where the middle half of a controlled row's builds (each build's
+    same-tensor median) lies on both sides of ``limit``, else "". The estimate is the median over builds, but
+    where a build's placement alone moves it across the limit, "met" or "MISSED" says which side this run's
+    draw of placements fell on, not what the code costs (SFAdamW's row on both CPUs published, AdamW's on the AMD
+    EPYC, FullFusion's on the Intel Xeon: results/overhead.json, results/overhead_amd_epyc.json)."""
+    values = [b["same_tensors"]["median"] for b in row.get("per_build", [])]
+    if len(values) < 2:
+        return ""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return f"builds' quartiles {q1:.3f}–{q3:.3f}: not resolved" if q1 <= limit < q3 else ""
 
 
 def spread(num: list[float], den: list[float]) -> dict[str, float]:
@@ -219,8 +233,12 @@ def render(rows: list[dict[str, Any]], limit: float, rounds: int) -> list[str]:
                   for i, p in enumerate(r["per_process"])]
         lines.append(f"| {r['optimizer']} | all ({len(r['per_build'])} builds) | {fmt(r['aa'])} | "
                      f"**{fmt(r['same_tensors'])}** |")
-    verdict = "; ".join(f"{r['optimizer']} {overhead_pct(r['same_tensors']['median'], limit)} "
-                        f"{'met' if r['same_tensors']['median'] <= limit else 'MISSED'}" for r in rows)
+    def judged(r: dict[str, Any]) -> str:
+        median, note = r["same_tensors"]["median"], builds_unresolved(r, limit)
+        return (f"{r['optimizer']} {overhead_pct(median, limit)} {'met' if median <= limit else 'MISSED'}"
+                + (f" ({note})" if note else ""))
+
+    verdict = "; ".join(judged(r) for r in rows)
     lines.append(f"\nSame-tensor check of the target (median over all builds of fresh processes; for these rows "
                  f"this, not the table above, whose arms share one process with 27 others, is the estimate): "
                  f"{verdict}.")

@@ -4,14 +4,15 @@ its JSON, for a run or for ``python -m experiments render``).
 The verdict is the issue's target on the device the run used: on CPU repair ≤ +2% of the optimizer step
 (paired median, or the fresh-process controls' median where a row has them), on a GPU ≤ 0.3% of a whole
 training step. A median whose quartiles straddle the target is said to be unresolved beside the verdict,
-never hidden behind it.
+never hidden behind it: a table row's quartiles over rounds, a controlled row's over its builds (since
+2026-11-28: SFAdamW's builds straddle it on both CPUs published).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from experiments.overhead_controls import builds_unresolved, overhead_pct, spread
 from experiments.overhead_controls import render as render_controls
-from experiments.overhead_controls import overhead_pct, spread
 from experiments.questions_io import at_commit
 
 
@@ -79,6 +80,9 @@ def render(data: dict[str, Any]) -> str:
         loose = {n: (f", upper quartile {q3:.3f}: not resolved" if ok[n] else
                      f", lower quartile {q1:.3f}: not resolved")
                  for n, (q1, q3) in quart.items() if (q3 > limit if ok[n] else q1 <= limit)}
+        # a controlled row whose builds' middle half straddles the target: said too (builds_unresolved)
+        loose.update({c["optimizer"]: f", {note}" for c in data.get("controls", [])
+                      if (note := builds_unresolved(c, limit))})
         label = {n: f"{n} ({overhead_pct(x, limit)}{', controls' if n in ctrl else ''}{loose.get(n, '')})"
                  for n, x in ratio.items()}
 
