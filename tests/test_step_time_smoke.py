@@ -86,7 +86,9 @@ def test_overhead_quick(tmp_path):
     assert "**Each optimizer as constructed by default**" in section
     # the rows that have a control are judged on it, and say so
     target = section.split("Target (CPU)")[1].split("\n")[0]
-    assert all(re.search(re.escape(name) + r" \([+-]\d+\.\d%, controls\)", target) for name in CONTROLLED)
+    # (two builds whose middle half straddles 2% add "builds' quartiles a–b: not resolved", a quick run's luck)
+    assert all(re.search(re.escape(name) + r" \([+-]\d+\.\d+%, controls(, builds' quartiles \d\.\d{3}–\d\.\d{3}: "
+                         r"not resolved)?\)", target) for name in CONTROLLED)
     # the controls: A/A (identical "off" arms) and the same-tensor repair/off, for the AdamW family's defaults
     # and the fused spectral ones, each row in fresh processes of its own (quick: one process of two builds)
     assert [c["optimizer"] for c in data["controls"]] == list(CONTROLLED)
@@ -109,7 +111,7 @@ def test_overhead_quick(tmp_path):
     assert data["settings"]["design"] == "same tensors" and "**Design (changed 2026-11-24):**" in section
     assert "| AdamW (fused) | 1 |" in section and "| SFAdamW (fused) | all (2 builds) |" in section
     verdicts = section.split("Same-tensor check of the target")[1]
-    assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d% (?:met|MISSED)", verdicts)) == 2  # one verdict per row
+    assert len(re.findall(r"AdamW \(fused\) [+-]\d+\.\d+% (?:met|MISSED)", verdicts)) == 2  # one verdict per row
     assert "| off / off (A/A) |" in section and "every arm steps the same tensors" in section
 
 
