@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,14 +68,11 @@ def child(model: str, optimizer: str, later: int, threads: int) -> dict[str, Any
 
 
 def _run_child(model: str, optimizer: str, cache: str, later: int, threads: int) -> dict[str, Any]:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-    proc = subprocess.run([sys.executable, "-m", "experiments.compile_time", "--child", model, optimizer,
-                           "--later", str(later), "--threads", str(threads)],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{model} / {optimizer}: the child process failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from experiments.step_time import run_child
+
+    return run_child("experiments.compile_time", ["--child", model, optimizer, "--later", str(later),
+                                                  "--threads", str(threads)],
+                     env={"TORCHINDUCTOR_CACHE_DIR": cache}, timeout=CHILD_TIMEOUT_S)
 
 
 def run(models: list[str], optimizers: list[str], later: int, threads: int) -> list[dict[str, Any]]:

@@ -51,13 +51,15 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def run_child(module: str, argv: list[str], env: dict[str, str] | None = None) -> Any:
+def run_child(module: str, argv: list[str], env: dict[str, str] | None = None,
+              timeout: float | None = None) -> Any:
     """``python -m module *argv`` in a fresh process (the timing experiments' way to start from nothing:
     a process that had run other arms moved their ratios), its stdout parsed as JSON; raises with the
-    command and the end of its stderr when it fails. ``env``: variables added to this process's."""
+    command and the end of its stderr when it fails. ``env``: variables added to this process's;
+    ``timeout``: seconds before a hung child is killed (``subprocess.TimeoutExpired``)."""
     cmd = [sys.executable, "-m", module, *argv]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env=None if env is None else {**os.environ, **env})
+                          env=None if env is None else {**os.environ, **env}, timeout=timeout)
     if proc.returncode != 0:
         prefix = "".join(f"{k}={v} " for k, v in (env or {}).items())
         raise RuntimeError(f"{prefix}{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
